@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Sets up the environment and runs every check: lint, unit and integration tests, artifact checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export PATH="$PWD/.venv/bin:$PATH"
+ruff check .
+ruff format --check .
+# The Triton kernels run in Triton's interpreter; it must be on before they are defined,
+# so the kernel suite gets its own process.
+TRITON_INTERPRET=1 python -m pytest -q -p no:cacheprovider tests/kernels
+python -m pytest -q -p no:cacheprovider --ignore=tests/kernels tests "$@"

@@ -1,0 +1,56 @@
+"""The `pagedinfer` command: dispatches to the module that owns each subcommand.
+
+Each subcommand module exposes `add_arguments(parser)` and `run(args) -> int`, and keeps
+heavy imports (torch, grpc, kopf) inside `run`, so that `pagedinfer --help` stays fast and
+one subcommand never pays for another's dependencies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("pagedinfer.service.server", "run the gRPC inference server"),
+    "generate": (
+        "pagedinfer.service.generate",
+        "generate text with a local engine, or from a running server with --server",
+    ),
+    "simulate": (
+        "pagedinfer.service.simulate",
+        "replay a request trace through the scheduler and block manager (no model)",
+    ),
+    "operator": ("pagedinfer.operator.main", "run the Kubernetes operator"),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagedinfer", description="Kubernetes-native LLM inference on PagedAttention."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == command:
+            importlib.import_module(module_name).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in COMMANDS else None)
+    args = parser.parse_args(argv)
+    module = importlib.import_module(COMMANDS[args.command][0])
+    try:
+        return int(module.run(args) or 0)
+    except ValueError as exc:
+        print(f"pagedinfer {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
