@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 AllocationPolicy = Literal["paged", "contiguous"]
@@ -29,7 +29,6 @@ class EngineConfig:
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
     allocation_policy: AllocationPolicy = "paged"
-    seed: int = 0
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -66,3 +65,59 @@ class EngineConfig:
 def _positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MiB', '1.5G' or a plain byte count -> bytes."""
+    units = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+    s = text.strip().lower().removesuffix("b")
+    number = s.rstrip("kmgi")
+    unit = s[len(number) :]
+    try:
+        value = float(number) * units[unit]
+    except (ValueError, KeyError):
+        raise ValueError(f"not a byte size: {text!r} (try 2GiB, 512MiB or a number)") from None
+    return int(value)
+
+
+def add_engine_arguments(parser) -> None:
+    """The flags of every EngineConfig field, shared by `serve` and `generate`."""
+    d = EngineConfig()
+    g = parser.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)",
+    )
+    g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "float16", "bfloat16"])
+    g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    g.add_argument(
+        "--num-gpu-blocks",
+        type=int,
+        default=None,
+        help="exact number of KV blocks (overrides the memory budget)",
+    )
+    g.add_argument(
+        "--kv-cache-memory",
+        type=parse_bytes,
+        default=d.kv_cache_memory,
+        help="KV cache budget on CPU, e.g. 2GiB",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=d.gpu_memory_utilization,
+        help="share of free GPU memory for the KV cache",
+    )
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument(
+        "--allocation-policy", default=d.allocation_policy, choices=["paged", "contiguous"]
+    )
+
+
+def config_from_args(args) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})

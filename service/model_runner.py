@@ -1,0 +1,155 @@
+"""Turns a SchedulerOutput into flat tensors, runs the model, returns the logits to sample.
+
+The runner owns the KV cache tensors (one k and one v tensor per layer, each
+`[num_blocks, block_size, num_kv_heads, head_dim]`) and sizes them from a memory budget.
+It knows nothing about scheduling or sampling.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedinfer.service.config import EngineConfig
+from pagedinfer.service.loader import LoadedModel
+from pagedinfer.service.models.llama import AttentionMetadata
+from pagedinfer.service.request import Request
+from pagedinfer.service.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelOutput:
+    """Logits for the requests whose scheduled chunk reached their last known token."""
+
+    logits: torch.Tensor  # [len(requests), vocab] fp32, on the CPU
+    requests: list[Request]
+
+
+def kv_block_bytes(loaded: LoadedModel, block_size: int, dtype: torch.dtype) -> int:
+    cfg = loaded.config
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    return per_token * block_size
+
+
+def num_kv_blocks(config: EngineConfig, block_bytes: int, device: torch.device) -> int:
+    """How many blocks the KV budget buys: exact, a byte budget on CPU, free memory on CUDA."""
+    if config.num_gpu_blocks is not None:
+        return config.num_gpu_blocks
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * config.gpu_memory_utilization)
+    else:
+        budget = config.kv_cache_memory
+    blocks = budget // block_bytes
+    if blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory ({budget} bytes) is smaller than one KV block ({block_bytes} bytes)"
+        )
+    return blocks
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, device: torch.device):
+        self.config = config
+        self.model = loaded.model
+        self.device = device
+        self.dtype = next(self.model.parameters()).dtype
+        self.block_size = config.block_size
+        cfg = loaded.config
+        self.num_blocks = num_kv_blocks(
+            config, kv_block_bytes(loaded, config.block_size, self.dtype), device
+        )
+        shape = (self.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim)
+        # Zeros, not empty: the kernels mask unwritten slots, but a clean cache keeps
+        # memory stats honest (pages are touched once, now, not during serving).
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=device),
+                torch.zeros(shape, dtype=self.dtype, device=device),
+            )
+            for _ in range(cfg.num_layers)
+        ]
+        log.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * kv_block_bytes(loaded, self.block_size, self.dtype) / 2**20,
+        )
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate source blocks into their fresh destinations, every layer."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        self.copy_blocks(out.copy_blocks)
+        if not out.scheduled:
+            return ModelOutput(torch.empty(0, 0), [])
+        inputs = self._prepare(out)
+        logits = self.model(
+            inputs.input_ids,
+            inputs.positions,
+            self.kv_caches,
+            inputs.attn,
+            inputs.logits_indices,
+        )
+        return ModelOutput(logits.float().cpu(), inputs.sample_requests)
+
+    def _prepare(self, out: SchedulerOutput) -> _Inputs:
+        B = self.block_size
+        ids, positions, slots, seq_lens, starts = [], [], [], [], [0]
+        logits_indices: list[int] = []
+        sample_requests: list[Request] = []
+        max_blocks = max(len(s.request.block_table) for s in out.scheduled)
+        block_tables = np.zeros((len(out.scheduled), max_blocks), dtype=np.int32)
+        for i, s in enumerate(out.scheduled):
+            req, start = s.request, s.request.num_computed_tokens
+            end = start + s.num_tokens
+            table = np.asarray(req.block_table, dtype=np.int64)
+            block_tables[i, : len(table)] = table
+            pos = np.arange(start, end, dtype=np.int64)
+            ids.append(np.asarray(req.all_token_ids[start:end], dtype=np.int64))
+            positions.append(pos)
+            slots.append(table[pos // B] * B + pos % B)
+            seq_lens.append(end)
+            starts.append(starts[-1] + s.num_tokens)
+            if end == req.num_tokens:
+                logits_indices.append(starts[-1] - 1)
+                sample_requests.append(req)
+
+        def tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(a).to(device=self.device, dtype=dtype)
+
+        attn = AttentionMetadata(
+            slot_mapping=tensor(np.concatenate(slots), torch.int64),
+            block_tables=tensor(block_tables, torch.int32),
+            seq_lens=tensor(np.asarray(seq_lens), torch.int32),
+            query_start_loc=tensor(np.asarray(starts), torch.int32),
+        )
+        return _Inputs(
+            input_ids=tensor(np.concatenate(ids), torch.int64),
+            positions=tensor(np.concatenate(positions), torch.int64),
+            attn=attn,
+            logits_indices=tensor(np.asarray(logits_indices, dtype=np.int64), torch.int64),
+            sample_requests=sample_requests,
+        )
+
+
+@dataclass
+class _Inputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor
+    sample_requests: list[Request]
