@@ -1,0 +1,359 @@
+"""Throughput side by side in one run: pagedinfer (paged and contiguous) against Hugging Face.
+
+Workload (DESIGN.md section 8): N requests with ShareGPT-like lognormal lengths scaled down
+for a CPU, fixed seed, fixed output lengths (EOS ignored) so every system does the same
+work. All requests arrive at once (offline batch). A second workload shares one long
+system prompt and compares prefix caching on and off.
+
+    python benchmarks/throughput.py --json            # the full comparison
+    python benchmarks/throughput.py --systems paged --num-requests 8   # a quick look
+
+Prints one JSON object keyed by system and saves a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pagedinfer.service.config import EngineConfig
+from pagedinfer.service.engine import LLMEngine
+from pagedinfer.service.sampling_params import SamplingParams
+
+SYSTEMS = ("paged", "contiguous", "hf_static", "hf_continuous")
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def mixed_workload(
+    n: int, vocab: int, seed: int, prompt_mean: int, output_mean: int, max_len: int
+) -> Workload:
+    """Lognormal prompt and output lengths (ShareGPT's shape, scaled to the given means)."""
+    rng = np.random.default_rng(seed)
+    sigma = 0.8
+    mu_p = math.log(prompt_mean) - sigma**2 / 2
+    mu_o = math.log(output_mean) - sigma**2 / 2
+    prompts, outs = [], []
+    for _ in range(n):
+        p = int(np.clip(rng.lognormal(mu_p, sigma), 4, max_len // 2))
+        o = int(np.clip(rng.lognormal(mu_o, sigma), 4, max_len - p))
+        # Ordinary vocabulary ids: skip the first few hundred, where special tokens live.
+        prompts.append(rng.integers(300, vocab, size=p).tolist())
+        outs.append(o)
+    return Workload(prompts, outs)
+
+
+def shared_prefix_workload(
+    n: int, vocab: int, seed: int, prefix_len: int, out_len: int
+) -> Workload:
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(300, vocab, size=prefix_len).tolist()
+    prompts = [
+        prefix + rng.integers(300, vocab, size=int(rng.integers(8, 32))).tolist() for _ in range(n)
+    ]
+    return Workload(prompts, [out_len] * n)
+
+
+def matmul_gflops(size: int = 2048, repeats: int = 5) -> float:
+    """The fp32 matmul rate of this machine right now: the physical limit for the model."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * size**3 / best / 1e9
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    return float(np.percentile(np.asarray(values), q))
+
+
+def summarise(name, wl, elapsed, params, gflops, ttfts=None, tpots=None, extra=None) -> dict:
+    total = wl.prompt_tokens + wl.output_tokens
+    result = {
+        "system": name,
+        "requests": len(wl.prompts),
+        "prompt_tokens": wl.prompt_tokens,
+        "output_tokens": wl.output_tokens,
+        "seconds": round(elapsed, 2),
+        "output_tokens_per_s": round(wl.output_tokens / elapsed, 2),
+        "total_tokens_per_s": round(total / elapsed, 2),
+        "mfu": round(2 * params * total / elapsed / (gflops * 1e9), 4),
+    }
+    for label, values in (("ttft", ttfts), ("tpot", tpots)):
+        if values:
+            result[f"{label}_mean_s"] = round(statistics.fmean(values), 4)
+            result[f"{label}_p50_s"] = round(percentile(values, 50), 4)
+            result[f"{label}_p99_s"] = round(percentile(values, 99), 4)
+    result.update(extra or {})
+    return result
+
+
+def run_pagedinfer(
+    name: str,
+    wl: Workload,
+    config: EngineConfig,
+    params: int,
+    gflops: float,
+    engine: LLMEngine | None = None,
+) -> tuple[dict, list]:
+    engine = engine or LLMEngine(config)
+    start = time.perf_counter()
+    first: dict[str, float] = {}
+    done: dict[str, float] = {}
+    ids = []
+    for prompt, out_len in zip(wl.prompts, wl.output_lens, strict=True):
+        sp = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+        ids.append(engine.add_request(prompt, sp, arrival_time=time.monotonic()))
+    peak = 0
+    timeline = []
+    while engine.has_unfinished():
+        deltas = engine.step()
+        now = time.perf_counter() - start
+        stats = engine.stats()
+        peak = max(peak, stats.running)
+        timeline.append((now, stats.running, stats.kv.used / max(stats.kv.total, 1)))
+        for d in deltas:
+            first.setdefault(d.request_id, now)
+            if d.finish_reason is not None:
+                done[d.request_id] = now
+    elapsed = time.perf_counter() - start
+    ttfts = [first[r] for r in ids]
+    tpots = [
+        (done[r] - first[r]) / (n - 1) for r, n in zip(ids, wl.output_lens, strict=True) if n > 1
+    ]
+    stats = engine.stats()
+    extra = {
+        "peak_running": peak,
+        "preemptions": stats.num_preemptions,
+        "kv_blocks": stats.kv.total,
+        "prefix_cache_hit_rate": round(
+            stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1), 4
+        ),
+    }
+    return summarise(name, wl, elapsed, params, gflops, ttfts, tpots, extra), timeline
+
+
+def run_hf_static(wl: Workload, model, params: int, gflops: float, batch: int, pad_id: int) -> dict:
+    """The naive server: fixed batches, left padding, every batch runs to its longest output."""
+    start = time.perf_counter()
+    ttfts: list[float] = []
+    order = list(range(len(wl.prompts)))  # arrival order
+    for b in range(0, len(order), batch):
+        idx = order[b : b + batch]
+        width = max(len(wl.prompts[i]) for i in idx)
+        ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for row, i in enumerate(idx):
+            p = wl.prompts[i]
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        new = max(wl.output_lens[i] for i in idx)
+        with torch.inference_mode():
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
+        # Static batching returns nothing until the batch ends: that is its TTFT.
+        ttfts.extend([time.perf_counter() - start] * len(idx))
+    return summarise(
+        "hf_static",
+        wl,
+        time.perf_counter() - start,
+        params,
+        gflops,
+        ttfts,
+        extra={"batch_size": batch, "peak_running": batch},
+    )
+
+
+def run_hf_continuous(wl: Workload, model, params: int, gflops: float, kv_blocks: int) -> dict:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    gen = GenerationConfig(
+        do_sample=False, max_new_tokens=max(wl.output_lens), eos_token_id=-1, pad_token_id=0
+    )
+    cb = ContinuousBatchingConfig(num_blocks=kv_blocks, max_batch_tokens=512)
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    manager.start()
+    start = time.perf_counter()
+    try:
+        for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens, strict=True)):
+            manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
+        got = 0
+        while got < len(wl.prompts):
+            result = manager.get_result(timeout=600)
+            if result is None:
+                raise RuntimeError("Hugging Face continuous batching stopped early")
+            if result.is_finished():
+                got += 1
+        elapsed = time.perf_counter() - start
+    finally:
+        manager.stop(block=True, timeout=30)
+    return summarise("hf_continuous", wl, elapsed, params, gflops)
+
+
+def plot(results: dict, timelines: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = [n for n in SYSTEMS if n in results]
+    ax1.bar(names, [results[n]["output_tokens_per_s"] for n in names], color="tab:blue")
+    ax1.set_ylabel("output tokens/s")
+    ax1.set_title("Mixed workload, same model, dtype and threads")
+    for name, tl in timelines.items():
+        if tl:
+            ax2.plot([t for t, _, _ in tl], [r for _, r, _ in tl], label=f"{name}: running")
+    ax2.set_xlabel("seconds")
+    ax2.set_ylabel("running sequences")
+    ax2.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--prompt-mean", type=int, default=96)
+    ap.add_argument("--output-mean", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--kv-cache-memory", type=int, default=96 * 2**20, help="bytes, both policies")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument(
+        "--prefix-requests", type=int, default=16, help="0 skips the shared-prefix workload"
+    )
+    ap.add_argument("--prefix-len", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument(
+        "--plot", type=Path, default=Path(__file__).parent / "results" / "throughput.png"
+    )
+    ap.add_argument("--json", action="store_true", help="print only the JSON summary")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        ap.error(
+            f"unknown systems: {', '.join(sorted(unknown))} (choose from {', '.join(SYSTEMS)})"
+        )
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr if args.json else sys.stdout, flush=True)
+
+    base = EngineConfig(
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    engine = LLMEngine(base)
+    vocab = engine.vocab_size
+    params = sum(p.numel() for p in engine.runner.model.parameters())
+    wl = mixed_workload(
+        args.num_requests, vocab, args.seed, args.prompt_mean, args.output_mean, args.max_model_len
+    )
+    gflops = matmul_gflops()
+    say(
+        f"fp32 matmul: {gflops:.1f} GFLOP/s; {len(wl.prompts)} requests, "
+        f"{wl.prompt_tokens} prompt + {wl.output_tokens} output tokens"
+    )
+    results: dict[str, dict] = {
+        "machine": {
+            "threads": torch.get_num_threads(),
+            "matmul_gflops": round(gflops, 1),
+            "params": params,
+        }
+    }
+    timelines: dict[str, list] = {}
+    for name in systems:
+        say(f"running {name} ...")
+        if name == "paged":
+            results[name], timelines[name] = run_pagedinfer(name, wl, base, params, gflops, engine)
+        elif name == "contiguous":
+            cfg = EngineConfig(**{**base.__dict__, "allocation_policy": "contiguous"})
+            results[name], timelines[name] = run_pagedinfer(name, wl, cfg, params, gflops)
+        else:
+            from transformers import AutoModelForCausalLM
+
+            from pagedinfer.service.loader import ensure_default_model
+
+            hf = AutoModelForCausalLM.from_pretrained(
+                ensure_default_model(), dtype=torch.float32
+            ).eval()
+            if name == "hf_static":
+                results[name] = run_hf_static(
+                    wl, hf, params, gflops, args.hf_batch, engine.tokenizer.eos_token_id or 0
+                )
+            else:
+                results[name] = run_hf_continuous(wl, hf, params, gflops, engine.num_blocks)
+        say(json.dumps(results[name]))
+    if args.prefix_requests:
+        pwl = shared_prefix_workload(args.prefix_requests, vocab, args.seed, args.prefix_len, 16)
+        cfg_len = max(args.max_model_len, args.prefix_len + 64)
+        for name, caching in (("prefix_cache_on", True), ("prefix_cache_off", False)):
+            say(f"running {name} ...")
+            cfg = EngineConfig(
+                **{**base.__dict__, "max_model_len": cfg_len, "enable_prefix_caching": caching}
+            )
+            # Warm the cache with one request first, as a server would be warm.
+            eng = LLMEngine(cfg)
+            warm = Workload(pwl.prompts[:1], [1])
+            run_pagedinfer("warm", warm, cfg, params, gflops, eng)
+            results[name], _ = run_pagedinfer(name, pwl, cfg, params, gflops, eng)
+            say(json.dumps(results[name]))
+        on, off = results["prefix_cache_on"], results["prefix_cache_off"]
+        results["prefix_cache_ttft_speedup"] = round(off["ttft_mean_s"] / on["ttft_mean_s"], 2)
+    ratios = {}
+    for a, b in (("paged", "hf_static"), ("paged", "hf_continuous"), ("paged", "contiguous")):
+        if a in results and b in results:
+            ratios[f"{a}_vs_{b}"] = round(
+                results[a]["output_tokens_per_s"] / results[b]["output_tokens_per_s"], 2
+            )
+    results["ratios"] = ratios
+    plot(results, timelines, args.plot)
+    results["plot"] = str(args.plot)
+    print(json.dumps(results, indent=None if args.json else 2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
