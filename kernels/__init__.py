@@ -1,0 +1,91 @@
+"""Paged-attention ops: Triton kernels on GPU, a vectorised torch path on CPU.
+
+KV cache per layer: `k_cache`, `v_cache`, each `[num_blocks, block_size, num_kv_heads,
+head_dim]`. The slot of context position p of a sequence is
+`block_table[p // block_size] * block_size + p % block_size`.
+
+Backend choice, per call: the Triton kernels for CUDA tensors, or for any tensors when
+the environment has `TRITON_INTERPRET=1` (Triton's CPU interpreter, used by the tests;
+it must be set before the kernels are first used); the torch path otherwise. Triton is
+imported only when its kernels are first needed, so CPU serving does not need it.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+from pagedinfer.kernels import torch_ops
+from pagedinfer.kernels.validation import check_paged_attention, check_write_kv
+
+__all__ = ["paged_attention", "use_triton", "write_kv"]
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether the ops run Triton kernels for tensors on t's device."""
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _triton_ops() -> ModuleType:
+    from pagedinfer.kernels import triton_ops
+
+    return triton_ops
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    check_values: bool = True,
+) -> None:
+    """Write the new tokens' keys and values into the paged cache, in place.
+
+    key, value: `[num_tokens, num_kv_heads, head_dim]`, the cache's dtype.
+    slot_mapping: int64 (int32 accepted) `[num_tokens]`; -1 skips the token (padding).
+    check_values=False skips the checks that read slot_mapping (a host sync on GPU).
+    Raises ValueError naming the argument on bad input.
+    """
+    check_write_kv(key, value, k_cache, v_cache, slot_mapping, check_values)
+    backend = _triton_ops() if use_triton(k_cache) else torch_ops
+    backend.write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    check_values: bool = True,
+) -> torch.Tensor:
+    """Causal attention of the packed new tokens over their paged contexts; returns out.
+
+    query: `[num_tokens, num_heads, head_dim]`; sequence i owns rows
+    `query_start_loc[i]:query_start_loc[i + 1]`, the last positions of its context of
+    `seq_lens[i]` tokens (the new tokens' K/V already written with `write_kv`), causal
+    among the new tokens. One call covers decode, prefill, chunked prefill and prefill
+    after a prefix-cache hit, mixed freely in one batch.
+    block_tables: int32 `[num_seqs, max_blocks_per_seq]`; seq_lens: int32 `[num_seqs]`;
+    query_start_loc: int32 `[num_seqs + 1]` (int64 accepted for all three).
+    GQA: num_heads is a multiple of num_kv_heads; query head h reads KV head
+    h // (num_heads // num_kv_heads). out, if given, has query's shape and dtype.
+    check_values=False skips the checks that read the index tensors (a host sync on
+    GPU); shape, dtype and device are always checked.
+    Raises ValueError naming the argument on bad input.
+    """
+    check_paged_attention(
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, check_values
+    )
+    backend = _triton_ops() if use_triton(query) else torch_ops
+    return backend.paged_attention(
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale), out
+    )

@@ -1,0 +1,68 @@
+"""Deliberately simple reference for the kernel ops, used only by tests and benchmarks.
+
+One Python loop per sequence, per head and per context position: slow, but each line
+follows the contract's definitions directly, so it is easy to check by reading.
+Arithmetic is float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def write_kv_reference(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    block_size = k_cache.shape[1]
+    for token, slot in enumerate(slot_mapping.tolist()):
+        if slot == -1:
+            continue
+        k_cache[slot // block_size, slot % block_size] = key[token]
+        v_cache[slot // block_size, slot % block_size] = value[token]
+
+
+def paged_attention_reference(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    out = torch.zeros_like(query)
+    num_heads = query.shape[1]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    starts = query_start_loc.tolist()
+    for seq, seq_len in enumerate(seq_lens.tolist()):
+        table = block_tables[seq].tolist()
+        # Context position p of this sequence lives at slot table[p // B], p % B.
+        keys = torch.stack(
+            [k_cache[table[p // block_size], p % block_size] for p in range(seq_len)]
+        ).double()
+        values = torch.stack(
+            [v_cache[table[p // block_size], p % block_size] for p in range(seq_len)]
+        ).double()
+        num_new = starts[seq + 1] - starts[seq]
+        for i in range(num_new):
+            token = starts[seq] + i
+            position = seq_len - num_new + i  # the new tokens are the last positions
+            for head in range(num_heads):
+                kv_head = head // group
+                q = query[token, head].double()
+                scores = [
+                    float(q @ keys[p, kv_head]) * scale if p <= position else -math.inf
+                    for p in range(seq_len)
+                ]
+                top = max(scores)
+                weights = torch.tensor([math.exp(s - top) for s in scores], dtype=torch.float64)
+                weights /= weights.sum()
+                out[token, head] = (weights @ values[:, kv_head]).to(query.dtype)
+    return out
