@@ -1,0 +1,80 @@
+{{/*
+Names and labels shared by every template, after `helm create`'s skeleton.
+*/}}
+
+{{/* The chart name, or nameOverride. */}}
+{{- define "pagedinfer.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The prefix of every resource name: fullnameOverride, else <release>-<name>, or just the
+release name when it already contains the chart name. 63 characters at most (DNS label).
+*/}}
+{{- define "pagedinfer.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The name of the operator's Deployment, ServiceAccount and RBAC objects. */}}
+{{- define "pagedinfer.operatorName" -}}
+{{- printf "%s-operator" (include "pagedinfer.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* chart-version, for the helm.sh/chart label. */}}
+{{- define "pagedinfer.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The standard app.kubernetes.io labels on every object of the release. */}}
+{{- define "pagedinfer.labels" -}}
+helm.sh/chart: {{ include "pagedinfer.chart" . }}
+{{ include "pagedinfer.selectorLabels" . }}
+{{- if .Chart.AppVersion }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{- end }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: pagedinfer
+{{- end }}
+
+{{/* Labels that select the release's pods; never change them on upgrade. */}}
+{{- define "pagedinfer.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pagedinfer.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Selector labels of the operator's pods. */}}
+{{- define "pagedinfer.operatorSelectorLabels" -}}
+{{ include "pagedinfer.selectorLabels" . }}
+app.kubernetes.io/component: operator
+{{- end }}
+
+{{/* The operator's ServiceAccount: created, named, or the namespace's default. */}}
+{{- define "pagedinfer.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "pagedinfer.operatorName" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The image reference; the tag defaults to the chart's appVersion. */}}
+{{- define "pagedinfer.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/*
+The namespaces the operator watches: operator.watchNamespaces, or an empty list for
+all namespaces (cluster-wide RBAC).
+*/}}
+{{- define "pagedinfer.clusterWide" -}}
+{{- if not .Values.operator.watchNamespaces }}true{{- end }}
+{{- end }}
