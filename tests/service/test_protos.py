@@ -1,0 +1,142 @@
+"""The committed gRPC stubs match the proto, import from the package, and keep the
+contract names of DESIGN.md section 4."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from google.protobuf import descriptor_pb2
+
+from pagedinfer.service.client import sampling_params_to_proto
+from pagedinfer.service.proto import inference_pb2 as pb
+from pagedinfer.service.proto import inference_pb2_grpc
+from pagedinfer.service.sampling_params import SamplingParams
+from pagedinfer.service.server import sampling_params_from_proto
+
+ROOT = Path(__file__).resolve().parents[2]
+PROTO = ROOT / "protos" / "pagedinfer" / "v1" / "inference.proto"
+STUBS = ROOT / "service" / "proto"
+GENERATED = ("inference_pb2.py", "inference_pb2_grpc.py")
+
+
+def committed_generator_version() -> str:
+    text = (STUBS / "inference_pb2_grpc.py").read_text()
+    return re.search(r"GRPC_GENERATED_VERSION = '([^']+)'", text).group(1)
+
+
+def test_regenerating_the_stubs_gives_the_committed_files(tmp_path):
+    from grpc_tools import grpc_version
+
+    if committed_generator_version() != grpc_version.VERSION:
+        pytest.skip(
+            f"grpcio-tools {grpc_version.VERSION} is installed but the stubs were made by "
+            f"{committed_generator_version()}; the descriptor test still checks them"
+        )
+    subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gen_protos.sh"), str(tmp_path)],
+        check=True,
+        env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable},
+    )
+    for name in GENERATED:
+        assert (tmp_path / name).read_text() == (STUBS / name).read_text(), (
+            f"service/proto/{name} is stale: run scripts/gen_protos.sh"
+        )
+
+
+def test_committed_descriptor_is_the_compiled_proto(tmp_path):
+    """Independent of the grpcio-tools version: the stub's embedded descriptor is
+    exactly what protoc makes of the proto file today."""
+    from grpc_tools import protoc
+
+    out = tmp_path / "set.pb"
+    rc = protoc.main(
+        [
+            "protoc",
+            f"-I{ROOT / 'protos'}",
+            f"--descriptor_set_out={out}",
+            "pagedinfer/v1/inference.proto",
+        ]
+    )
+    assert rc == 0
+    compiled = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file[0]
+    for message in compiled.message_type:  # the Python plugin omits derived JSON names
+        for field in message.field:
+            field.ClearField("json_name")
+    committed = descriptor_pb2.FileDescriptorProto.FromString(pb.DESCRIPTOR.serialized_pb)
+    assert committed == compiled, "service/proto is stale: run scripts/gen_protos.sh"
+
+
+def test_stubs_import_from_the_package_not_from_the_proto_path():
+    text = (STUBS / "inference_pb2_grpc.py").read_text()
+    assert "from pagedinfer.service.proto import inference_pb2" in text
+    assert "from pagedinfer.v1" not in text
+    assert inference_pb2_grpc.pagedinfer_dot_v1_dot_inference__pb2 is pb
+    assert pb.GenerateRequest.__module__ == "pagedinfer.service.proto.inference_pb2"
+
+
+def test_service_has_the_contract_methods():
+    service = pb.DESCRIPTOR.services_by_name["Inference"]
+    assert service.full_name == "pagedinfer.v1.Inference"
+    methods = {m.name: m for m in service.methods}
+    assert set(methods) == {"Generate", "Tokenize", "GetModelInfo"}
+    assert methods["Generate"].server_streaming and not methods["Generate"].client_streaming
+    assert methods["Generate"].output_type.name == "GenerateResponse"
+    assert not methods["Tokenize"].server_streaming
+
+
+def test_messages_have_the_contract_fields():
+    def fields(message) -> set[str]:
+        return set(message.DESCRIPTOR.fields_by_name)
+
+    assert {"prompt", "prompt_token_ids", "messages", "sampling", "request_id",
+            "cache_salt"} <= fields(pb.GenerateRequest)  # fmt: skip
+    assert {"request_id", "index", "token_ids", "text", "finish_reason",
+            "usage"} <= fields(pb.GenerateResponse)  # fmt: skip
+    assert fields(pb.Usage) == {"prompt_tokens", "completion_tokens", "cached_tokens"}
+    assert {"model_name", "max_model_len", "block_size", "num_blocks"} <= fields(pb.ModelInfo)
+    assert {pb.FinishReason.Name(v) for v in (pb.STOP, pb.LENGTH, pb.ABORT)} == {
+        "STOP",
+        "LENGTH",
+        "ABORT",
+    }
+
+
+def test_sampling_params_message_mirrors_the_dataclass():
+    python_fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert set(pb.SamplingParams.DESCRIPTOR.fields_by_name) == python_fields
+
+
+def test_sampling_params_round_trip_through_the_proto():
+    params = SamplingParams(
+        max_tokens=7,
+        temperature=0.5,
+        top_p=0.75,
+        top_k=20,
+        min_p=0.25,
+        repetition_penalty=1.5,
+        presence_penalty=-0.5,
+        frequency_penalty=0.5,
+        seed=1234,
+        stop=["\n\n", "END"],
+        stop_token_ids=[2, 3],
+        ignore_eos=True,
+        n=3,
+        logprobs=5,
+    )
+    wire = pb.SamplingParams.FromString(sampling_params_to_proto(params).SerializeToString())
+    assert sampling_params_from_proto(wire) == params
+
+
+def test_unset_sampling_fields_take_the_dataclass_defaults():
+    assert sampling_params_from_proto(pb.SamplingParams()) == SamplingParams()
+    assert sampling_params_from_proto(pb.SamplingParams(temperature=0.0)).greedy
+
+
+def test_bad_sampling_field_is_named_with_its_proto_path():
+    with pytest.raises(ValueError, match=r"^sampling\.top_p"):
+        sampling_params_from_proto(pb.SamplingParams(top_p=1.5))
