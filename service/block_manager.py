@@ -1,0 +1,242 @@
+"""KV cache blocks: a pool with ref counts and a prefix cache, and the per-request manager.
+
+A request's KV lives in fixed-size blocks anywhere in the cache; its block table maps
+logical block i (tokens i*B .. i*B+B-1) to a physical block id. Full blocks are
+identified by a hash chain over their tokens, so requests with a common prefix share
+them. Free blocks that still hold a cached prefix are reused only when no plain free
+block is left, least recently freed first (lazy LRU eviction).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pagedinfer.service.request import Request
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None  # set while the block is in the prefix cache
+
+
+@dataclass
+class KVCacheStats:
+    total: int
+    free: int  # allocatable now: plain free blocks plus evictable cached ones
+    used: int  # held by at least one request
+    cached: int  # blocks in the prefix cache, in use or free
+    free_ratio: float
+    demand: int  # used plus the blocks the waiting queue needs for its tokens
+
+
+def hash_block(prev_hash: bytes | None, token_ids: Sequence[int], cache_salt: str | None) -> bytes:
+    """h_i = sha256(h_{i-1}, tokens of block i, cache_salt)."""
+    h = hashlib.sha256(prev_hash or b"")
+    salt = (cache_salt or "").encode()
+    h.update(len(salt).to_bytes(4, "little") + salt)  # length prefix: salts never run into tokens
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+class BlockPool:
+    """All blocks of the cache, created once; hands them out and takes them back."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free = list(range(num_blocks - 1, -1, -1))  # plain free blocks; pop() = lowest id
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # free cached blocks, LRU first
+        self.cached: dict[bytes, Block] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    def allocate(self) -> Block:
+        """A block with ref count 1, evicting the least recently freed cached one if needed."""
+        if self._free:
+            block = self.blocks[self._free.pop()]
+        else:
+            block = self.blocks[self._evictable.popitem(last=False)[0]]
+            del self.cached[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        return block
+
+    def touch(self, block: Block) -> None:
+        """Take one more reference; a free cached block leaves the eviction queue."""
+        if block.ref_count == 0:
+            del self._evictable[block.block_id]
+        block.ref_count += 1
+
+    def release(self, block: Block) -> None:
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.block_hash is None:
+                self._free.append(block.block_id)
+            else:
+                self._evictable[block.block_id] = None
+
+    def cache(self, block: Block, block_hash: bytes) -> None:
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+
+
+class KVCacheManager:
+    """Owns every block table: allocation per step, prefix cache, forks, copy-on-write.
+
+    policy "paged" allocates blocks as tokens are computed; "contiguous" reserves
+    max_model_len slots at a request's first allocation, like a naive server, and
+    does no prefix caching, so that benchmarks compare both on the same code.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        policy: str = "paged",
+        max_model_len: int | None = None,
+    ) -> None:
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        if policy not in ("paged", "contiguous"):
+            raise ValueError(f"policy must be 'paged' or 'contiguous', got {policy!r}")
+        if max_model_len is not None and max_model_len < block_size:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) must be at least block_size ({block_size})"
+            )
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.policy = policy
+        self.max_model_len = max_model_len
+        self.reserved_blocks = 0  # blocks a contiguous request reserves
+        if policy == "contiguous":
+            if max_model_len is None:
+                raise ValueError("max_model_len is required by the contiguous policy")
+            self.reserved_blocks = -(-max_model_len // block_size)
+            if num_blocks < self.reserved_blocks:
+                raise ValueError(
+                    f"num_blocks ({num_blocks}) cannot hold one contiguous request of "
+                    f"max_model_len {max_model_len} ({self.reserved_blocks} blocks)"
+                )
+        self.enable_prefix_caching = enable_prefix_caching and policy == "paged"
+        self.pool = BlockPool(num_blocks)
+        self._block_hashes: dict[str, list[bytes]] = {}  # hashes of each request's full blocks
+        self._pending_copies: list[tuple[int, int]] = []
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks a request holding num_tokens tokens occupies under this policy."""
+        return self.reserved_blocks or -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> list[Block]:
+        """Longest chain of cached full blocks matching the request's leading tokens.
+
+        Stops one token short of the end: the last token is always recomputed so that
+        the model produces logits to sample from.
+        """
+        if not self.enable_prefix_caching or request.block_table:
+            return []
+        tokens, size, prev = request.all_token_ids, self.block_size, None
+        blocks: list[Block] = []
+        for start in range(0, (len(tokens) - 1) // size * size, size):
+            prev = hash_block(prev, tokens[start : start + size], request.cache_salt)
+            block = self.pool.cached.get(prev)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[Block] = ()
+    ) -> bool:
+        """Make room for the next num_new_tokens tokens; False (and no change) if short.
+
+        computed_blocks, from get_computed_blocks at admission, become the head of the
+        block table and count as computed. A shared block about to be written is first
+        copied (copy-on-write); the (src, dst) pair goes to take_pending_copies.
+        """
+        table, size, blocks = request.block_table, self.block_size, self.pool.blocks
+        start = request.num_computed_tokens + len(computed_blocks) * size
+        end = start + num_new_tokens
+        num_needed = max(self.num_blocks_for(end) - len(table) - len(computed_blocks), 0)
+        shared = [
+            i for i in range(start // size, min(-(-end // size), len(table)))
+            if blocks[table[i]].ref_count > 1
+        ]  # fmt: skip
+        revived = sum(1 for b in computed_blocks if b.ref_count == 0)
+        if num_needed + len(shared) + revived > self.pool.num_free:
+            return False
+
+        if computed_blocks:
+            for block in computed_blocks:
+                self.pool.touch(block)
+                table.append(block.block_id)
+            self._block_hashes[request.request_id] = [b.block_hash for b in computed_blocks]
+            request.num_computed_tokens = request.num_cached_tokens = start
+        for i in shared:
+            old, new = blocks[table[i]], self.pool.allocate()
+            if i * size < start:  # the block already holds tokens: copy them over
+                self._pending_copies.append((old.block_id, new.block_id))
+            self.pool.release(old)
+            table[i] = new.block_id
+        for _ in range(num_needed):
+            table.append(self.pool.allocate().block_id)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, end)
+        return True
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        # Cached as soon as allocated: the model writes a step's KV before any attention
+        # reads it, so a request admitted in the same step may already share the block.
+        hashes = self._block_hashes.setdefault(request.request_id, [])
+        tokens, size = request.all_token_ids, self.block_size
+        for i in range(len(hashes), num_tokens // size):
+            prev = hashes[-1] if hashes else None
+            hashes.append(hash_block(prev, tokens[i * size : (i + 1) * size], request.cache_salt))
+            self.pool.cache(self.pool.blocks[request.block_table[i]], hashes[-1])
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks; idempotent. The tail goes first so that the
+        prefix cache evicts tails before the prefixes others are likelier to share."""
+        for block_id in reversed(request.block_table):
+            self.pool.release(self.pool.blocks[block_id])
+        request.block_table.clear()
+        self._block_hashes.pop(request.request_id, None)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child shares all of the parent's blocks; its first write copies a shared one."""
+        if child.block_table:
+            raise ValueError(f"fork target {child.request_id} already holds blocks")
+        for block_id in parent.block_table:
+            self.pool.touch(self.pool.blocks[block_id])
+        child.block_table.extend(parent.block_table)
+        num_full = child.num_computed_tokens // self.block_size
+        self._block_hashes[child.request_id] = self._block_hashes.get(parent.request_id, [])[
+            :num_full
+        ]
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """(src, dst) block copies to do before this step's KV is written."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    def stats(self, waiting_demand: int = 0) -> KVCacheStats:
+        free = self.pool.num_free
+        used = self.num_blocks - free
+        return KVCacheStats(
+            total=self.num_blocks,
+            free=free,
+            used=used,
+            cached=len(self.pool.cached),
+            free_ratio=free / self.num_blocks,
+            demand=used + waiting_demand,
+        )

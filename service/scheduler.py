@@ -1,0 +1,244 @@
+"""Continuous batching: which requests run this step, and with how many tokens.
+
+Each step spends a token budget (max_num_batched_tokens) over at most max_num_seqs
+requests: running requests first, oldest admission first (one decode token each, or
+their next prefill chunk), then waiting requests in arrival order. When a running
+request cannot get a block, the most recently admitted running request is preempted:
+its blocks are freed and it goes back to the head of the queue to be recomputed. Pure
+Python: the model runner turns a SchedulerOutput into tensors.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedinfer.service.block_manager import KVCacheManager, KVCacheStats
+from pagedinfer.service.config import EngineConfig
+from pagedinfer.service.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """Compute all_token_ids[num_computed_tokens : num_computed_tokens + num_tokens]."""
+
+    request: Request
+    num_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan. Do the copy_blocks (src, dst) before writing this step's KV."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)  # since the last step; blocks freed
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+
+@dataclass
+class SchedulerStats:
+    kv: KVCacheStats
+    running: int
+    waiting: int
+    num_preemptions: int  # cumulative
+    prefix_cache_queries: int  # cumulative tokens looked up at admission
+    prefix_cache_hits: int  # cumulative tokens found in the cache
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+        self.config = config
+        self.kv_cache = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            policy=config.allocation_policy,
+            max_model_len=config.max_model_len,
+        )
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is preempted first
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self._finished: list[Request] = []
+        self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError if it could never run."""
+        self._check_fits(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _check_fits(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        if not request.prompt_token_ids:
+            raise ValueError(f"request {rid}: prompt_token_ids is empty")
+        max_len = self.config.max_model_len
+        total = request.num_prompt_tokens + request.sampling_params.max_tokens
+        if total > max_len:
+            raise ValueError(
+                f"request {rid}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                f"({request.sampling_params.max_tokens}) = {total} exceeds max_model_len ({max_len})"
+            )
+        # The last sampled token is never computed, so it needs no slot.
+        needed = self.kv_cache.num_blocks_for(total - 1)
+        if needed > self.kv_cache.num_blocks:
+            raise ValueError(
+                f"request {rid}: needs {needed} KV blocks, more than the whole cache "
+                f"({self.kv_cache.num_blocks} blocks of {self.config.block_size} tokens)"
+            )
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        max_seqs = self.config.max_num_seqs
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0 and len(scheduled) < max_seqs:
+            request = self.running[i]
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._allocate_or_preempt(request, num_tokens, preempted):
+                scheduled.append(ScheduledRequest(request, num_tokens))
+                budget -= num_tokens
+                i += 1
+
+        # Admit nothing in a step that had to preempt: memory is short.
+        while self.waiting and not preempted and budget > 0 and len(self.running) < max_seqs:
+            request = self.waiting[0]
+            hits = self.kv_cache.get_computed_blocks(request)
+            num_cached = len(hits) * self.config.block_size
+            num_tokens = min(request.num_tokens - num_cached, budget)
+            if not self.kv_cache.allocate_slots(request, num_tokens, hits):
+                break  # strict FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_cached
+            scheduled.append(ScheduledRequest(request, num_tokens))
+            budget -= num_tokens
+
+        finished, self._finished = self._finished, []
+        return SchedulerOutput(
+            scheduled=scheduled,
+            preempted=preempted,
+            finished=finished,
+            copy_blocks=self.kv_cache.take_pending_copies(),
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+        )
+
+    def _allocate_or_preempt(
+        self, request: Request, num_tokens: int, preempted: list[Request]
+    ) -> bool:
+        """Preempt from the back of the running list until the request's slots fit.
+
+        False when the request itself had to go. The oldest request always fits once
+        alone, since admission rejects anything larger than the cache.
+        """
+        while not self.kv_cache.allocate_slots(request, num_tokens):
+            victim = self._preempt_last()
+            preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt_last(self) -> Request:
+        """Preempt by recompute: free the newest running request's blocks and put it
+        back at the head of the queue (its output tokens are kept)."""
+        victim = self.running.pop()
+        self.kv_cache.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.WAITING
+        self.waiting.appendleft(victim)
+        self.num_preemptions += 1
+        return victim
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
+        """Record a step's results: computed tokens, and one sampled token for each
+        request whose chunk reached the end of its tokens. Finishes only on max_tokens;
+        the engine checks stop conditions and calls finish_request."""
+        for item in output.scheduled:
+            request = item.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # finished or aborted since schedule()
+            request.num_computed_tokens += item.num_tokens
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prefill chunk that does not reach the end samples nothing
+            if request.request_id not in sampled:
+                raise ValueError(f"request {request.request_id} completed a step with no token")
+            request.append_output_token(sampled[request.request_id])
+            if request.num_output_tokens >= request.sampling_params.max_tokens:
+                self.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """Finish or abort a waiting or running request and free its blocks; idempotent."""
+        if not status.is_finished:
+            raise ValueError(f"finish_request needs a finished status, got {status}")
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        else:
+            self.running.remove(request)
+        self.kv_cache.free(request)
+        request.status = status
+        self._finished.append(request)
+
+    def fork_request(self, parent: Request, child: Request) -> None:
+        """Start a running child that shares the parent's computed tokens and blocks.
+
+        The child's tokens must agree with the parent's on the computed prefix and go
+        at least one token past it (its own sampled token).
+        """
+        if parent.status is not RequestStatus.RUNNING:
+            raise ValueError(f"fork parent {parent.request_id} is not running")
+        self._check_fits(child)
+        num_computed = parent.num_computed_tokens
+        if (
+            child.num_tokens <= num_computed
+            or child.all_token_ids[:num_computed] != parent.all_token_ids[:num_computed]
+        ):
+            raise ValueError(
+                f"fork child {child.request_id} must extend parent {parent.request_id}'s "
+                f"{num_computed} computed tokens"
+            )
+        child.num_computed_tokens = num_computed
+        child.num_cached_tokens = parent.num_cached_tokens
+        if child.parent_id is None:
+            child.parent_id = parent.request_id
+        self.kv_cache.fork(parent, child)
+        child.status = RequestStatus.RUNNING
+        self.requests[child.request_id] = child
+        self.running.append(child)
+
+    def stats(self) -> SchedulerStats:
+        waiting_demand = sum(self.kv_cache.num_blocks_for(r.num_tokens) for r in self.waiting)
+        return SchedulerStats(
+            kv=self.kv_cache.stats(waiting_demand),
+            running=len(self.running),
+            waiting=len(self.waiting),
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+        )
