@@ -1,0 +1,167 @@
+"""The InferenceService API: its names, and its spec as typed records.
+
+The CRD (charts/pagedinfer/crds/inferenceservices.yaml) is the source of truth; the
+defaults here repeat the CRD's so that the operator behaves the same when an object
+reaches it undefaulted, and a test keeps the two equal. `spec_errors` repeats the CRD's
+CEL rules for API servers that do not enforce them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+GROUP = "serving.pagedinfer.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+
+DEFAULT_REPLICAS = 1  # neither replicas nor autoscaling set
+
+
+@dataclass(frozen=True)
+class ScalingRules:
+    """How fast one direction may move (HPA's `behavior.scaleUp` / `scaleDown`)."""
+
+    stabilization_window_s: float
+    pods: int  # pods that may change per period...
+    percent: int  # ...or this percent of the replicas at the period's start, whichever is more
+    period_s: float
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    min_replicas: int = 1
+    max_replicas: int = 1
+    target_free_ratio: float = 0.3
+    tolerance: float = 0.1
+    sync_period_s: float = 15.0
+    scrape_timeout_s: float = 2.0
+    metric_staleness_s: float = 60.0
+    pod_warmup_s: float = 30.0
+    scale_up: ScalingRules = ScalingRules(0, 2, 100, 60)
+    scale_down: ScalingRules = ScalingRules(300, 1, 10, 60)
+
+    @property
+    def target_utilization(self) -> float:
+        return 1.0 - self.target_free_ratio
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str | None = None
+    image_path: str | None = None  # a path inside the server image
+    pvc_claim: str | None = None  # or a PersistentVolumeClaim...
+    pvc_path: str = ""  # ...and the model's path inside it
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    type: str = "ClusterIP"
+    port: int = 50051
+    annotations: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class InferenceServiceSpec:
+    model: ModelSpec = ModelSpec()
+    image: str | None = None
+    image_pull_policy: str | None = None
+    resources: Mapping[str, Any] = field(default_factory=dict)
+    accelerator_resource: str = "nvidia.com/gpu"
+    accelerator_count: int = 0
+    engine: Mapping[str, Any] = field(default_factory=dict)  # camelCase, as in the CRD
+    replicas: int | None = None
+    autoscaling: AutoscalingSpec | None = None
+    service: ServiceSpec = ServiceSpec()
+    template: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _rules(raw: Mapping[str, Any], default: ScalingRules) -> ScalingRules:
+    return ScalingRules(
+        stabilization_window_s=float(
+            raw.get("stabilizationWindowSeconds", default.stabilization_window_s)
+        ),
+        pods=int(raw.get("pods", default.pods)),
+        percent=int(raw.get("percent", default.percent)),
+        period_s=float(raw.get("periodSeconds", default.period_s)),
+    )
+
+
+def parse_autoscaling(raw: Mapping[str, Any]) -> AutoscalingSpec:
+    d = AutoscalingSpec()
+    min_replicas = int(raw.get("minReplicas", d.min_replicas))
+    return AutoscalingSpec(
+        min_replicas=min_replicas,
+        max_replicas=int(raw.get("maxReplicas", min_replicas)),
+        target_free_ratio=float(raw.get("targetFreeBlockRatio", d.target_free_ratio)),
+        tolerance=float(raw.get("tolerance", d.tolerance)),
+        sync_period_s=float(raw.get("syncPeriodSeconds", d.sync_period_s)),
+        scrape_timeout_s=float(raw.get("scrapeTimeoutSeconds", d.scrape_timeout_s)),
+        metric_staleness_s=float(raw.get("metricStalenessSeconds", d.metric_staleness_s)),
+        pod_warmup_s=float(raw.get("podWarmupSeconds", d.pod_warmup_s)),
+        scale_up=_rules(raw.get("scaleUp") or {}, d.scale_up),
+        scale_down=_rules(raw.get("scaleDown") or {}, d.scale_down),
+    )
+
+
+def parse_spec(raw: Mapping[str, Any]) -> InferenceServiceSpec:
+    """The CR's `.spec` as a typed record; absent fields take the CRD's defaults."""
+    model = raw.get("model") or {}
+    source = model.get("source") or {}
+    pvc = source.get("pvc") or {}
+    accelerator = raw.get("accelerator") or {}
+    service = raw.get("service") or {}
+    autoscaling = raw.get("autoscaling")
+    replicas = raw.get("replicas")
+    return InferenceServiceSpec(
+        model=ModelSpec(
+            name=model.get("name"),
+            image_path=(source.get("image") or {}).get("path"),
+            pvc_claim=pvc.get("claimName"),
+            pvc_path=pvc.get("path", ""),
+        ),
+        image=raw.get("image"),
+        image_pull_policy=raw.get("imagePullPolicy"),
+        resources=dict(raw.get("resources") or {}),
+        accelerator_resource=accelerator.get("resourceName", "nvidia.com/gpu"),
+        accelerator_count=int(accelerator.get("count", 0)),
+        engine=dict(raw.get("engine") or {}),
+        replicas=None if replicas is None else int(replicas),
+        autoscaling=None if autoscaling is None else parse_autoscaling(autoscaling),
+        service=ServiceSpec(
+            type=service.get("type", "ClusterIP"),
+            port=int(service.get("port", 50051)),
+            annotations=dict(service.get("annotations") or {}),
+        ),
+        template=dict(raw.get("template") or {}),
+    )
+
+
+def spec_errors(raw: Mapping[str, Any]) -> list[str]:
+    """The CRD's CEL rules, in Python: each broken rule as 'field: message'.
+
+    A 1.29+ API server refuses such objects already; this guards against servers that
+    skip CEL validation, so that the operator refuses rather than guesses.
+    """
+    errors = []
+    if "replicas" in raw and "autoscaling" in raw:
+        errors.append("spec.replicas: replicas and autoscaling are mutually exclusive")
+    autoscaling = raw.get("autoscaling")
+    if autoscaling is not None:
+        if "maxReplicas" not in autoscaling:
+            errors.append("spec.autoscaling.maxReplicas: required")
+        elif autoscaling.get("minReplicas", 1) > autoscaling["maxReplicas"]:
+            errors.append("spec.autoscaling.minReplicas: must not exceed maxReplicas")
+    source = (raw.get("model") or {}).get("source")
+    if source is not None and ("image" in source) == ("pvc" in source):
+        errors.append("spec.model.source: set exactly one of source.image and source.pvc")
+    path = ((source or {}).get("pvc") or {}).get("path", "")
+    if path.startswith("/") or ".." in path:
+        errors.append("spec.model.source.pvc.path: must be relative and must not contain '..'")
+    engine = raw.get("engine") or {}
+    if engine.get("maxModelLen", 1 << 30) < engine.get("blockSize", 0):
+        errors.append("spec.engine.maxModelLen: must be at least blockSize")
+    return errors
