@@ -1,0 +1,115 @@
+"""A gRPC client of a running server: `pagedinfer generate --server HOST:PORT`."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, TextIO
+
+import grpc
+
+from pagedinfer.service.proto import inference_pb2 as pb
+from pagedinfer.service.proto import inference_pb2_grpc
+from pagedinfer.service.sampling_params import SamplingParams
+
+AUTH_TOKEN_ENV = "PAGEDINFER_AUTH_TOKEN"
+FINISH_REASON_NAMES = {pb.STOP: "stop", pb.LENGTH: "length", pb.ABORT: "abort"}
+
+
+def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    """Every field of `params`, set explicitly (None fields stay unset)."""
+    message = pb.SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        n=params.n,
+    )
+    if params.seed is not None:
+        message.seed = params.seed
+    if params.logprobs is not None:
+        message.logprobs = params.logprobs
+    return message
+
+
+def open_channel(target: str, tls_ca: str | None = None) -> grpc.Channel:
+    """A channel to `target` (HOST:PORT), over TLS when a CA bundle is given."""
+    if tls_ca is None:
+        return grpc.insecure_channel(target)
+    with open(tls_ca, "rb") as f:
+        return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=f.read()))
+
+
+def auth_metadata(token: str | None) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {token}")] if token else []
+
+
+def generate_remote(
+    target: str,
+    *,
+    prompt: str | None,
+    messages: list[dict] | None,
+    params: SamplingParams,
+    token: str | None = None,
+    tls_ca: str | None = None,
+    out: TextIO = sys.stdout,
+) -> int:
+    """Streams one completion from the server at `target` to `out`; returns an exit code.
+
+    Give `prompt` (plain text) or `messages` (a chat: [{"role", "content"}, ...]). With
+    n = 1 the text is written as it arrives; with n > 1 each sample is written whole,
+    under a header, as it finishes. A summary (finish reason, token counts) goes to
+    stderr. `token` defaults to $PAGEDINFER_AUTH_TOKEN. Exit codes: 0 done, 2 invalid
+    input, 1 any other error; Ctrl-C cancels the request on the server.
+    """
+    request = pb.GenerateRequest(sampling=sampling_params_to_proto(params))
+    if prompt is not None:
+        request.prompt = prompt
+    for message in messages or ():
+        request.messages.add(role=message["role"], content=message["content"])
+    token = token if token is not None else os.environ.get(AUTH_TOKEN_ENV)
+
+    texts: dict[int, list[str]] = {}
+    with open_channel(target, tls_ca) as channel:
+        call = inference_pb2_grpc.InferenceStub(channel).Generate(
+            request, metadata=auth_metadata(token)
+        )
+        try:
+            for response in call:
+                _show(response, params.n, texts, out)
+        except KeyboardInterrupt:
+            call.cancel()
+            raise
+        except grpc.RpcError as exc:
+            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 2 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+    return 0
+
+
+def _show(response: Any, n: int, texts: dict[int, list[str]], out: TextIO) -> None:
+    if n == 1:
+        out.write(response.text)
+        out.flush()
+    else:
+        texts.setdefault(response.index, []).append(response.text)
+    if response.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+        return
+    if n == 1:
+        out.write("\n")
+    else:
+        out.write(f"--- sample {response.index} ---\n{''.join(texts.pop(response.index))}\n")
+    out.flush()
+    usage = response.usage
+    print(
+        f"[sample {response.index}: {FINISH_REASON_NAMES[response.finish_reason]}; "
+        f"prompt {usage.prompt_tokens}, completion {usage.completion_tokens}, "
+        f"cached {usage.cached_tokens} tokens]",
+        file=sys.stderr,
+    )

@@ -1,0 +1,500 @@
+"""The gRPC inference server: `pagedinfer serve`.
+
+A `grpc.aio` server over `AsyncLLMEngine` (DESIGN.md section 4): the `Inference`
+service, `grpc.health.v1.Health` (NOT_SERVING until the model is loaded and warmed up)
+and server reflection; telemetry from `pagedinfer.service.metrics`. The port opens
+before the model loads so that probes get an answer; inference calls are UNAVAILABLE
+until then.
+
+Lifecycle: SIGTERM (or SIGINT) flips health to NOT_SERVING, stops accepting calls,
+gives in-flight calls `--grace-period` seconds to finish, then cancels them, which
+aborts their requests and frees their KV-cache blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # grpc and the engine are imported in `run`, keeping `--help` fast
+    import grpc
+
+    from pagedinfer.service.config import EngineConfig
+    from pagedinfer.service.engine import AsyncLLMEngine
+    from pagedinfer.service.metrics import Telemetry
+    from pagedinfer.service.sampling_params import SamplingParams
+
+log = logging.getLogger("pagedinfer.server")
+
+SERVICE_NAME = "pagedinfer.v1.Inference"
+AUTH_TOKEN_ENV = "PAGEDINFER_AUTH_TOKEN"
+DEFAULT_PORT = 50051
+DEFAULT_METRICS_PORT = 9464
+DEFAULT_MAX_QUEUE = 256
+# Kubernetes sends SIGKILL 30 s after SIGTERM by default; abort what is left before that.
+DEFAULT_GRACE_PERIOD = 25.0
+FINISH_REASONS = {"stop": 1, "length": 2, "abort": 3}  # FinishReason enum values
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `pagedinfer serve`: one per engine setting, then the server's own."""
+    from pagedinfer.service.config import add_engine_arguments
+
+    add_engine_arguments(parser)
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    server.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC port")
+    server.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+                        help="Prometheus /metrics port (-1 disables it)")  # fmt: skip
+    server.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                        help="waiting requests beyond which calls get RESOURCE_EXHAUSTED")  # fmt: skip
+    server.add_argument("--grace-period", type=float, default=DEFAULT_GRACE_PERIOD,
+                        help="seconds in-flight calls get to finish after SIGTERM")  # fmt: skip
+    server.add_argument("--auth-token", default=None,
+                        help=f"require 'authorization: Bearer TOKEN' (or set ${AUTH_TOKEN_ENV})")  # fmt: skip
+    server.add_argument("--tls-cert", default=None, help="PEM certificate chain; enables TLS")
+    server.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
+    server.add_argument("--log-level", default="INFO",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])  # fmt: skip
+
+
+@dataclass
+class ServerOptions:
+    host: str = "0.0.0.0"
+    port: int = DEFAULT_PORT
+    metrics_port: int | None = DEFAULT_METRICS_PORT
+    max_queue: int = DEFAULT_MAX_QUEUE
+    grace_period: float = DEFAULT_GRACE_PERIOD
+    auth_token: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServerOptions:
+        if (args.tls_cert is None) != (args.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key must be given together")
+        if args.max_queue < 0:
+            raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+        if args.grace_period < 0:
+            raise ValueError(f"--grace-period must be >= 0, got {args.grace_period}")
+        return cls(
+            host=args.host,
+            port=args.port,
+            metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+            max_queue=args.max_queue,
+            grace_period=args.grace_period,
+            auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagedinfer.service.config import config_from_args
+
+    configure_logging(args.log_level)
+    config = config_from_args(args)
+    options = ServerOptions.from_args(args)
+    try:
+        return asyncio.run(serve(config, options))
+    except OSError as exc:  # a port in use, an unreadable certificate
+        log.error("cannot start the server: %s", exc)
+        return 1
+
+
+# ------------------------------------------------------------------------ logging
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line; `extra=` fields become top-level keys."""
+
+    _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in record.__dict__.items():
+            if key not in self._STANDARD and not key.startswith("_"):
+                entry[key] = value
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def configure_logging(level: str = "INFO") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+# ------------------------------------------------------------- proto conversion
+
+
+def sampling_params_from_proto(message: Any) -> SamplingParams:
+    """A SamplingParams from its proto; unset optional fields keep the defaults.
+
+    Errors name the proto field (`sampling.top_p must be in (0, 1], got 1.5`).
+    """
+    from pagedinfer.service.sampling_params import SamplingParams
+
+    kwargs: dict[str, Any] = {}
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty", "seed", "n", "logprobs"):  # fmt: skip
+        if message.HasField(name):
+            kwargs[name] = getattr(message, name)
+    kwargs["stop"] = list(message.stop)
+    kwargs["stop_token_ids"] = list(message.stop_token_ids)
+    kwargs["ignore_eos"] = message.ignore_eos
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise ValueError(f"sampling.{exc}") from None
+
+
+def prompt_from_proto(message: Any) -> dict[str, Any]:
+    """The keyword arguments of `engine.encode_prompt` for a request's input fields."""
+    given = {}
+    if message.HasField("prompt"):
+        given["prompt"] = message.prompt
+    if getattr(message, "prompt_token_ids", None):
+        given["prompt_token_ids"] = list(message.prompt_token_ids)
+    if message.messages:
+        given["messages"] = [{"role": m.role, "content": m.content} for m in message.messages]
+    if len(given) != 1:
+        fields = [n for n in ("prompt", "prompt_token_ids", "messages") if hasattr(message, n)]
+        got = ", ".join(given) or "none"
+        raise ValueError(f"set exactly one of {', '.join(fields)} (got {got})")
+    return given
+
+
+def response_from_delta(delta: Any) -> Any:
+    """The GenerateResponse of one CompletionDelta."""
+    from pagedinfer.service.proto import inference_pb2 as pb
+
+    response = pb.GenerateResponse(
+        request_id=delta.request_id,
+        index=delta.index,
+        token_ids=delta.token_ids,
+        text=delta.text,
+    )
+    for entry in delta.logprobs or ():
+        response.logprobs.add(
+            token_id=entry["token_id"],
+            logprob=entry["logprob"],
+            top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in entry.get("top", ())],
+        )
+    if delta.finish_reason is not None:
+        response.finish_reason = FINISH_REASONS[delta.finish_reason]
+        response.usage.prompt_tokens = delta.prompt_tokens
+        response.usage.completion_tokens = delta.completion_tokens
+        response.usage.cached_tokens = delta.cached_tokens
+    return response
+
+
+# ------------------------------------------------------------------- the service
+
+
+class InferenceServicer:
+    """The `pagedinfer.v1.Inference` service over one engine.
+
+    `engine` is None until the model is loaded and warmed up; calls get UNAVAILABLE
+    until then.
+    """
+
+    def __init__(self, max_queue: int, telemetry: Telemetry | None = None):
+        self.engine: AsyncLLMEngine | None = None
+        self.telemetry = telemetry
+        self.max_queue = max_queue
+
+    def stats(self) -> Any:
+        """The engine's latest stats snapshot, or None while the model loads."""
+        return None if self.engine is None else self.engine.stats()
+
+    async def _ready_engine(self, context: grpc.aio.ServicerContext) -> AsyncLLMEngine:
+        import grpc
+
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        return self.engine
+
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator:
+        import grpc
+
+        engine = await self._ready_engine(context)
+        try:
+            params = sampling_params_from_proto(request.sampling)
+            prompt = prompt_from_proto(request)
+            prompt_token_ids = engine.encode_prompt(**prompt)
+            if engine.num_waiting >= self.max_queue:
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the waiting queue is full ({self.max_queue} requests); retry later",
+                )
+            stream = engine.add_request(
+                prompt_token_ids,
+                params,
+                request_id=request.request_id or None,
+                cache_salt=request.cache_salt or None,
+            )
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+        operation = "chat" if "messages" in prompt else "text_completion"
+        trace = self.telemetry.start_request(
+            request_id=stream.request_id, operation=operation, model=engine.model_name
+        )
+        trace.queued(len(prompt_token_ids))
+        error: str | None = None
+        completion_tokens: dict[int, int] = {}
+        try:
+            async for delta in stream:
+                trace.on_delta(
+                    delta.index,
+                    len(delta.token_ids),
+                    delta.completion_tokens,
+                    delta.cached_tokens,
+                    delta.finish_reason,
+                )
+                completion_tokens[delta.index] = delta.completion_tokens
+                yield response_from_delta(delta)
+        except asyncio.CancelledError:  # the client cancelled, or the deadline expired
+            error = "cancelled"
+            raise
+        except Exception as exc:
+            error = type(exc).__name__
+            log.exception("request failed", extra={"request_id": stream.request_id})
+            raise
+        finally:
+            await stream.aclose()  # aborts the request (frees its blocks) unless finished
+            trace.end(error)
+            log.info(
+                "request done",
+                extra={
+                    "request_id": stream.request_id,
+                    "operation": operation,
+                    "prompt_tokens": len(prompt_token_ids),
+                    "completion_tokens": sum(completion_tokens.values()),
+                    "finish_reasons": [trace.finish_reasons.get(i) for i in range(params.n)],
+                    "error": error,
+                },
+            )
+
+    async def Tokenize(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        import grpc
+
+        from pagedinfer.service.proto import inference_pb2 as pb
+
+        engine = await self._ready_engine(context)
+        try:
+            token_ids = engine.encode_prompt(**prompt_from_proto(request))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.TokenizeResponse(token_ids=token_ids)
+
+    async def GetModelInfo(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        from pagedinfer.service.proto import inference_pb2 as pb
+
+        engine = await self._ready_engine(context)
+        return pb.ModelInfo(
+            model_name=engine.model_name,
+            max_model_len=engine.max_model_len,
+            block_size=engine.block_size,
+            num_blocks=engine.num_blocks,
+            vocab_size=engine.vocab_size,
+        )
+
+
+def bearer_token_interceptor(token: str) -> Any:
+    """A server interceptor that refuses calls without `authorization: Bearer <token>`.
+
+    Health checks stay open: Kubernetes probes cannot send credentials.
+    """
+    import grpc
+
+    expected = f"Bearer {token}".encode()
+
+    async def deny(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+
+    async def deny_stream(request_or_iterator: Any, context: grpc.aio.ServicerContext):
+        await deny(request_or_iterator, context)
+        yield  # pragma: no cover - makes this an async generator, as streaming expects
+
+    class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+        async def intercept_service(
+            self,
+            continuation: Callable[[Any], Awaitable[Any]],
+            details: grpc.HandlerCallDetails,
+        ) -> Any:
+            handler = await continuation(details)
+            if handler is None or details.method.startswith("/grpc.health.v1.Health/"):
+                return handler
+            given = dict(details.invocation_metadata or ()).get("authorization", "")
+            if hmac.compare_digest(str(given).encode(), expected):
+                return handler
+            # The refusal must have the same streaming kind as the method it replaces.
+            kind = {
+                (False, False): grpc.unary_unary_rpc_method_handler,
+                (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, False): grpc.stream_unary_rpc_method_handler,
+                (True, True): grpc.stream_stream_rpc_method_handler,
+            }[(handler.request_streaming, handler.response_streaming)]
+            return kind(
+                deny_stream if handler.response_streaming else deny,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+
+    return BearerTokenInterceptor()
+
+
+# ------------------------------------------------------------------------ serving
+
+
+async def _load_engine(config: EngineConfig) -> AsyncLLMEngine:
+    """Builds the engine in a daemon thread, so that a SIGTERM during a long load can
+    exit without waiting for it."""
+    from pagedinfer.service.engine import AsyncLLMEngine
+
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[AsyncLLMEngine] = loop.create_future()
+
+    def load() -> None:
+        try:
+            engine = AsyncLLMEngine(config)
+        except BaseException as exc:
+            loop.call_soon_threadsafe(_set_exception, future, exc)
+        else:
+            loop.call_soon_threadsafe(_set_result, future, engine)
+
+    threading.Thread(target=load, name="engine-load", daemon=True).start()
+    return await future
+
+
+def _set_result(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)
+
+
+async def serve(config: EngineConfig, options: ServerOptions) -> int:
+    """Runs the server until SIGTERM or SIGINT; returns the process exit code."""
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    from pagedinfer.service.metrics import create_telemetry
+    from pagedinfer.service.proto import inference_pb2, inference_pb2_grpc
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    servicer = InferenceServicer(options.max_queue)
+    servicer.telemetry = create_telemetry(
+        servicer.stats, host=options.host, metrics_port=options.metrics_port
+    )
+
+    interceptors = [bearer_token_interceptor(options.auth_token)] if options.auth_token else []
+    server = grpc.aio.server(interceptors=interceptors)
+    inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    reflection.enable_server_reflection(
+        [
+            inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ],
+        server,
+    )
+    address = f"{options.host}:{options.port}"
+    if options.tls_cert:
+        with open(options.tls_key, "rb") as key, open(options.tls_cert, "rb") as cert:
+            credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
+        port = server.add_secure_port(address, credentials)
+    else:
+        port = server.add_insecure_port(address)
+    await server.start()
+    log.info(
+        "listening; loading the model",
+        extra={"grpc_port": port, "tls": bool(options.tls_cert), "auth": bool(interceptors)},
+    )
+
+    engine: AsyncLLMEngine | None = None
+    exit_code = 0
+    try:
+        load = asyncio.ensure_future(_load_engine(config))
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({load, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not load.done():
+            log.info("stopped while loading the model")
+            load.cancel()
+            return 0
+        stopped.cancel()
+        engine = load.result()
+        await engine.start()
+        started = time.monotonic()
+        await engine.warmup()
+        servicer.engine = engine
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "ready",
+            extra={
+                "grpc_port": port,
+                "metrics_port": options.metrics_port,
+                "model": engine.model_name,
+                "num_blocks": engine.num_blocks,
+                "block_size": engine.block_size,
+                "max_model_len": engine.max_model_len,
+                "warmup_s": round(time.monotonic() - started, 3),
+            },
+        )
+        await stop.wait()
+    except Exception:
+        log.exception("the server failed")
+        exit_code = 1
+    finally:
+        log.info("shutting down", extra={"grace_period_s": options.grace_period})
+        await health_servicer.enter_graceful_shutdown()
+        # Stops accepting calls, waits up to the grace period for in-flight ones, then
+        # cancels them; a cancelled Generate aborts its request.
+        await server.stop(options.grace_period)
+        if engine is not None:
+            await engine.shutdown()
+        servicer.telemetry.shutdown()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(Exception):
+                loop.remove_signal_handler(sig)
+        log.info("stopped")
+    return exit_code
