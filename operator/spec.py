@@ -2,12 +2,13 @@
 
 The CRD (charts/pagedinfer/crds/inferenceservices.yaml) is the source of truth; the
 defaults here repeat the CRD's so that the operator behaves the same when an object
-reaches it undefaulted, and a test keeps the two equal. `spec_errors` repeats the CRD's
+reaches it undefaulted, and a test keeps the two equal. `validation_errors` repeats the CRD's
 CEL rules for API servers that do not enforce them.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ KIND = "InferenceService"
 PLURAL = "inferenceservices"
 
 DEFAULT_REPLICAS = 1  # neither replicas nor autoscaling set
+DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 
 
 @dataclass(frozen=True)
@@ -140,13 +142,17 @@ def parse_spec(raw: Mapping[str, Any]) -> InferenceServiceSpec:
     )
 
 
-def spec_errors(raw: Mapping[str, Any]) -> list[str]:
+def validation_errors(body: Mapping[str, Any]) -> list[str]:
     """The CRD's CEL rules, in Python: each broken rule as 'field: message'.
 
     A 1.29+ API server refuses such objects already; this guards against servers that
     skip CEL validation, so that the operator refuses rather than guesses.
     """
     errors = []
+    name = (body.get("metadata") or {}).get("name", "")
+    if len(name) > 63 or not DNS_LABEL.fullmatch(name):
+        errors.append("metadata.name: must be a DNS-1035 label of at most 63 characters")
+    raw = body.get("spec") or {}
     if "replicas" in raw and "autoscaling" in raw:
         errors.append("spec.replicas: replicas and autoscaling are mutually exclusive")
     autoscaling = raw.get("autoscaling")
