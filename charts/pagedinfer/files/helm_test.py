@@ -25,7 +25,9 @@ def api_get(path: str) -> dict:
     with open(f"{SERVICE_ACCOUNT}/token") as f:
         token = f.read().strip()
     context = ssl.create_default_context(cafile=f"{SERVICE_ACCOUNT}/ca.crt")
-    request = urllib.request.Request(API_SERVER + path, headers={"Authorization": f"Bearer {token}"})
+    request = urllib.request.Request(
+        API_SERVER + path, headers={"Authorization": f"Bearer {token}"}
+    )
     with urllib.request.urlopen(request, context=context, timeout=10) as response:
         return json.load(response)
 
@@ -68,10 +70,12 @@ def main() -> None:
 
     wait_for(
         f"operator Deployment {operator} available",
-        lambda: api_get(f"/apis/apps/v1/namespaces/{namespace}/deployments/{operator}")
-        .get("status", {})
-        .get("availableReplicas", 0)
-        >= 1,
+        lambda: (
+            api_get(f"/apis/apps/v1/namespaces/{namespace}/deployments/{operator}")
+            .get("status", {})
+            .get("availableReplicas", 0)
+            >= 1
+        ),
         deadline,
     )
     isvcs = f"/apis/{GROUP_VERSION}/namespaces/{namespace}/inferenceservices"
