@@ -391,3 +391,15 @@ def test_helm_test_script_in_the_configmap_is_the_file_in_the_chart():
     (config_map,) = by_kind(render(ci_values("default-values")), "ConfigMap")
     script = (CHART_DIR / "files" / "helm_test.py").read_text()
     assert config_map["data"]["helm_test.py"].strip() == script.strip()
+
+
+def test_notes_tell_how_to_watch_the_inferenceservices(tmp_path):
+    """NOTES.txt, rendered by a client-side dry-run install (no cluster contacted)."""
+    base = ["install", RELEASE, str(CHART_DIR), "--namespace", NAMESPACE, "--dry-run=client"]
+    env_free = ["--kubeconfig", str(tmp_path / "none")]
+    notes = helm(*base, *env_free).stdout.split("NOTES:", 1)[1]
+    assert f"deployment/{OPERATOR}" in notes
+    assert "all namespaces" in notes
+    assert "kubectl get pisvc -w" in notes
+    example = helm(*base, *env_free, "--values", str(ci_values("custom-values"))).stdout
+    assert f"kubectl -n {NAMESPACE} get pisvc smollm2-gpu -w" in example.split("NOTES:", 1)[1]
