@@ -177,6 +177,8 @@ def prompt_from_proto(message: Any) -> dict[str, Any]:
     """The keyword arguments of `engine.encode_prompt` for a request's input fields."""
     given = {}
     if message.HasField("prompt"):
+        if not message.prompt:
+            raise ValueError("prompt must not be empty")
         given["prompt"] = message.prompt
     if getattr(message, "prompt_token_ids", None):
         given["prompt_token_ids"] = list(message.prompt_token_ids)
