@@ -12,6 +12,9 @@ Arithmetic is fp32 (bf16/fp16 matmuls are slow on CPU); the output takes query's
 
 from __future__ import annotations
 
+import math
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -99,10 +102,8 @@ def _attend_group(
     cols = torch.arange(num_ctx_blocks, device=table.device)
     used = cols[None, :] * block_size < lens[:, None]
     table = torch.where(used, table, 0).flatten()
-    key = _gather_blocks(k_cache, table).view(num_seqs * ctx, num_kv_heads * head_dim)
-    value = _gather_blocks(v_cache, table).view(num_seqs * ctx, num_kv_heads * head_dim)
-    if key.dtype != torch.float32:
-        key, value = key.float(), value.float()
+    key = _gather_blocks(k_cache, table, "key").view(num_seqs * ctx, num_kv_heads * head_dim)
+    value = _gather_blocks(v_cache, table, "value").view(num_seqs * ctx, num_kv_heads * head_dim)
     positions = torch.arange(ctx, device=table.device)
     padding = (positions[None, :] >= lens[:, None]).flatten().nonzero().flatten()
     key.index_fill_(0, padding, 0.0)
@@ -135,10 +136,35 @@ def _attend_group(
     out[tokens[q_valid]] = o[q_valid].to(out.dtype)
 
 
-def _gather_blocks(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """cache[table] as [len(table), block_size, kv_heads, head_dim], contiguous."""
-    if cache[0].is_contiguous():
-        # embedding is the fastest row gather on CPU: several times faster than
-        # index_select, whose fresh output pays the page faults of a large allocation.
-        return F.embedding(table, cache.view(cache.shape[0], -1)).view(-1, *cache.shape[1:])
-    return cache[table]
+def _gather_blocks(cache: torch.Tensor, table: torch.Tensor, name: str) -> torch.Tensor:
+    """cache[table] in fp32, as [len(table), block_size, kv_heads, head_dim], in scratch."""
+    shape = (table.numel(), *cache.shape[1:])
+    if cache.dtype == torch.float32 and cache[0].is_contiguous():
+        buffer = _scratch.get(name, shape, cache.device)
+        return torch.index_select(
+            cache.view(cache.shape[0], -1), 0, table, out=buffer.view(shape[0], -1)
+        )
+    return _scratch.get(name, shape, cache.device).copy_(cache[table])
+
+
+class _Scratch(threading.local):
+    """Grow-only fp32 buffers for the gathered K/V, one set per thread.
+
+    Reusing them matters: a fresh tensor of tens of MB comes from mmap, and touching its
+    pages for the first time costs more page faults (a kernel zeroing each 4 KiB page)
+    than the gather itself. The buffers never escape a call, and threads do not share them.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        numel = math.prod(shape)
+        buffer = self.buffers.get((name, device))
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel + numel // 4, dtype=torch.float32, device=device)
+            self.buffers[name, device] = buffer
+        return buffer[:numel].view(shape)
+
+
+_scratch = _Scratch()
