@@ -1,0 +1,133 @@
+"""Kernel test fixtures: both backends, and paged batches built the hard way.
+
+Triton decides at definition time whether a kernel is interpreted, so without a GPU the
+Triton module is imported here with TRITON_INTERPRET=1. The variable is restored
+afterwards, so a run that collects the whole test tree does not push the model tests
+onto the (slow) interpreter; scripts/test.sh runs this suite in its own process anyway.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+import pytest
+import torch
+
+
+def _import_triton_ops() -> ModuleType:
+    previous = os.environ.get("TRITON_INTERPRET")
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        from pagedinfer.kernels import triton_ops
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+    return triton_ops
+
+
+triton_ops = _import_triton_ops()
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(params=["torch", "triton"])
+def backend(request: pytest.FixtureRequest) -> ModuleType:
+    """The module of one backend: `torch_ops` or `triton_ops` (same signatures)."""
+    if request.param == "torch":
+        from pagedinfer.kernels import torch_ops
+
+        return torch_ops
+    return triton_ops
+
+
+@dataclass
+class PagedBatch:
+    """The inputs of one paged_attention call, plus the per-sequence K/V it pages."""
+
+    query: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    keys: list[torch.Tensor]  # per sequence, [seq_len, num_kv_heads, head_dim]
+    values: list[torch.Tensor]
+    scale: float
+
+    def args(self) -> tuple:
+        return (
+            self.query,
+            self.k_cache,
+            self.v_cache,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.scale,
+        )
+
+
+def build_batch(
+    seq_lens: list[int],
+    query_lens: list[int],
+    *,
+    num_heads: int = 6,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    table_padding: str = "guard",
+    seed: int = 0,
+) -> PagedBatch:
+    """A batch whose cache is hostile: physical blocks randomly permuted, NaN in every
+    slot no sequence owns (the tail of each last block, the spare blocks, the guard
+    block), and block-table columns past a sequence's end pointing at the NaN guard
+    block ("guard") or holding -1 ("minus_one").
+    """
+    generator = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3  # spare blocks, one of them the guard
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    physical = torch.randperm(num_blocks, generator=generator)
+    guard = int(physical[-1])
+    width = max(blocks_per_seq) + 1
+    fill = guard if table_padding == "guard" else -1
+    block_tables = torch.full((len(seq_lens), width), fill, dtype=torch.int32)
+    keys, values = [], []
+    next_block = 0
+    for seq, (seq_len, n_blocks) in enumerate(zip(seq_lens, blocks_per_seq, strict=True)):
+        block_tables[seq, :n_blocks] = physical[next_block : next_block + n_blocks].int()
+        next_block += n_blocks
+        key = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator).to(dtype)
+        value = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator).to(dtype)
+        for position in range(seq_len):
+            block = int(block_tables[seq, position // block_size])
+            k_cache[block, position % block_size] = key[position]
+            v_cache[block, position % block_size] = value[position]
+        keys.append(key)
+        values.append(value)
+    query_start_loc = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0).int()
+    num_tokens = int(query_start_loc[-1])
+    query = torch.randn(num_tokens, num_heads, head_dim, generator=generator).to(dtype)
+    return PagedBatch(
+        query=query.to(DEVICE),
+        k_cache=k_cache.to(DEVICE),
+        v_cache=v_cache.to(DEVICE),
+        block_tables=block_tables.to(DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        query_start_loc=query_start_loc.to(DEVICE),
+        keys=keys,
+        values=values,
+        scale=head_dim**-0.5,
+    )
+
+
+@pytest.fixture
+def make_batch() -> Callable[..., PagedBatch]:
+    return build_batch
