@@ -8,15 +8,14 @@ Logprobs follow vLLM's convention: they are those of the raw model distribution,
 log_softmax of the logits as they came in, before penalties and temperature. They say
 what the model predicted, not what the sampling parameters made of it.
 
-Draws use the exponential race: argmax(p / E) with E ~ Exp(1) per token picks token i
-with probability p_i. A seeded row draws its E from its own generator, exactly one
-vocabulary-sized draw per sampled token, so its tokens do not depend on what else is
-in the batch; unseeded rows share one batched draw from the global RNG.
+Draws invert the cumulative distribution with one uniform number per row. A seeded
+row takes its number from its own generator, exactly one per sampled token, so its
+tokens do not depend on what else is in the batch; unseeded rows share one batched
+draw from the global RNG.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +25,8 @@ from pagedinfer.service.sampling_params import SamplingParams
 
 # Below this temperature a row is greedy: dividing by it would only overflow (vLLM's choice).
 GREEDY_TEMPERATURE = 1e-5
+# How many of the most likely tokens top-k / top-p look at before sorting a whole row.
+CANDIDATES = 256
 
 
 @dataclass
@@ -98,125 +99,165 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         params = [row.params for row in rows]
-        logits = logits.clone()  # the raw logits stay intact for the logprobs
         penalised = [i for i, p in enumerate(params) if has_penalties(p)]
         if penalised:
+            logits = logits.clone()  # the raw logits stay intact for the logprobs
             apply_penalties(logits, rows, penalised)
-        token_ids = logits.argmax(dim=-1)
-
         random_rows = [i for i, p in enumerate(params) if not is_greedy(p)]
-        if not random_rows:
-            return token_ids
         if len(random_rows) == len(rows):
-            subset = logits
-        else:
+            probs = processed_probs(logits, params)
+            return _draw(probs, [row.generator for row in rows])
+
+        token_ids = logits.argmax(dim=-1)
+        if random_rows:
             index = torch.tensor(random_rows, device=logits.device)
-            subset = logits.index_select(0, index)
-        chosen = [params[i] for i in random_rows]
-        probs = _processed_probs(subset, chosen)
-        noise = _exponential_noise(probs, [rows[i].generator for i in random_rows])
-        sampled = probs.div_(noise).argmax(dim=-1)
-        if len(random_rows) == len(rows):
-            return sampled
-        token_ids[index] = sampled
+            probs = processed_probs(logits[index], [params[i] for i in random_rows])
+            token_ids[index] = _draw(probs, [rows[i].generator for i in random_rows])
         return token_ids
 
 
 def apply_penalties(
-    logits: torch.Tensor, rows: Sequence[SamplingRow], penalised: list[int]
+    logits: torch.Tensor, rows: Sequence[SamplingRow], penalised: Sequence[int]
 ) -> None:
     """Applies the three penalties, in place, to the rows `penalised` of `logits`.
 
     repetition (HF/CTRL): over prompt and output tokens, divide a positive logit by r
     and multiply a negative one by r. frequency and presence (OpenAI): over output
-    tokens, subtract frequency * count + presence * (count > 0).
+    tokens, subtract frequency * count + presence * (count > 0). Only the logits of
+    tokens that occurred are touched, so the cost follows the token counts, not the
+    vocabulary.
     """
-    device, vocab = logits.device, logits.shape[1]
+    device, (num_rows, vocab) = logits.device, logits.shape
+    flat = logits.view(-1)  # logits is a fresh contiguous tensor, owned by the caller
     params = [rows[i].params for i in penalised]
-    outputs = [rows[i].output_token_ids for i in penalised]
-    counts = _token_counts(outputs, vocab, device)
+    outputs = _flat_positions([rows[i].output_token_ids for i in penalised], penalised, vocab)
 
-    index = torch.tensor(penalised, device=device)
-    x = logits.index_select(0, index)
-    if any(p.repetition_penalty != 1.0 for p in params):
+    def per_position(values: list[float], positions: torch.Tensor) -> torch.Tensor:
+        by_row = torch.zeros(num_rows)
+        by_row[penalised] = torch.tensor(values)
+        return by_row.index_select(0, positions // vocab).to(device)
+
+    repetition = [p.repetition_penalty for p in params]
+    if any(r != 1.0 for r in repetition):
         # Rows whose penalty is 1 are left unchanged by the formula: skip their prompts.
         prompts = [
-            rows[i].prompt_token_ids if p.repetition_penalty != 1.0 else ()
-            for i, p in zip(penalised, params, strict=True)
+            rows[i].prompt_token_ids if r != 1.0 else ()
+            for i, r in zip(penalised, repetition, strict=True)
         ]
-        seen = (_token_counts(prompts, vocab, device) > 0) | (counts > 0)
-        r = _column(torch.tensor([p.repetition_penalty for p in params]), device)
-        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
-    frequency = _column(torch.tensor([p.frequency_penalty for p in params]), device)
-    presence = _column(torch.tensor([p.presence_penalty for p in params]), device)
-    x = x - frequency * counts - presence * (counts > 0).float()
-    logits[index] = x
+        seen = torch.cat([_flat_positions(prompts, penalised, vocab), outputs]).unique()
+        r = per_position(repetition, seen)
+        seen = seen.to(device)
+        values = flat.index_select(0, seen)
+        flat.index_copy_(0, seen, torch.where(values > 0, values / r, values * r))
+    if outputs.numel() == 0:
+        return
+    frequency = [p.frequency_penalty for p in params]
+    if any(f != 0.0 for f in frequency):
+        flat.index_add_(0, outputs.to(device), -per_position(frequency, outputs))
+    presence = [p.presence_penalty for p in params]
+    if any(p != 0.0 for p in presence):
+        once = outputs.unique()
+        flat.index_add_(0, once.to(device), -per_position(presence, once))
 
 
-def _token_counts(
-    token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device
+def _flat_positions(
+    token_lists: Sequence[Sequence[int]], row_ids: Sequence[int], vocab: int
 ) -> torch.Tensor:
-    """[len(token_lists), vocab] float32: how often each token occurs in each list."""
-    counts = torch.zeros(len(token_lists), vocab, device=device)
-    lengths = torch.tensor([len(t) for t in token_lists])
-    if int(lengths.sum()) == 0:
-        return counts
-    tokens = torch.tensor(list(itertools.chain.from_iterable(token_lists)), device=device)
-    row_of = torch.repeat_interleave(torch.arange(len(token_lists)), lengths).to(device)
-    counts.index_put_(
-        (row_of, tokens), torch.ones_like(tokens, dtype=counts.dtype), accumulate=True
-    )
-    return counts
+    """CPU int64 positions row * vocab + token of every token of every list."""
+    parts = [
+        torch.tensor(tokens, dtype=torch.int64) + row * vocab
+        for row, tokens in zip(row_ids, token_lists, strict=True)
+        if len(tokens)
+    ]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
 
 
-def _processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, top-k, top-p and min-p; returns (unnormalised) probabilities."""
-    device, vocab = logits.device, logits.shape[1]
-    temperature = _column(torch.tensor([p.temperature for p in params]), device)
-    logits = logits / temperature
+def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution random rows draw from: temperature, then top-k, top-p and
+    min-p, as unnormalised probabilities (filtered tokens are 0).
 
-    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    top_p = [p.top_p for p in params]
-    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-        logits = _top_k_top_p(logits, torch.tensor(top_k, device=device), top_p)
-
-    probs = logits.softmax(dim=-1)
+    Each filter keeps the tokens whose probability reaches a per-row threshold (ties
+    at the threshold stay, as in vLLM), so the three combine into one threshold and
+    one pass over the vocabulary.
+    """
+    device = logits.device
+    temperature = _column([p.temperature for p in params], device)
+    probs = (logits / temperature).softmax(dim=-1)
+    threshold = _top_k_top_p_threshold(probs, params)
     if any(p.min_p > 0.0 for p in params):
-        min_p = _column(torch.tensor([p.min_p for p in params]), device)
-        threshold = probs.amax(dim=-1, keepdim=True) * min_p
+        # Relative to the most likely token, so renormalising after top-k/top-p is moot.
+        min_p = probs.amax(dim=-1, keepdim=True) * _column([p.min_p for p in params], device)
+        threshold = min_p if threshold is None else torch.maximum(threshold, min_p)
+    if threshold is not None:
         probs.masked_fill_(probs < threshold, 0.0)
     return probs
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: list[float]) -> torch.Tensor:
-    """Masks to -inf what top-k and then top-p remove; both work in one sorted order."""
-    ordered, order = logits.sort(dim=-1, descending=True, stable=True)
-    rank = torch.arange(logits.shape[1], device=logits.device)
-    ordered.masked_fill_(rank >= top_k.unsqueeze(1), float("-inf"))
-    if any(p < 1.0 for p in top_p):
-        probs = ordered.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        # Keep the most likely tokens until their mass reaches top_p (always the first).
-        drop = mass_before >= _column(torch.tensor(top_p), logits.device)
-        drop[:, 0] = False
-        ordered.masked_fill_(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, ordered)
+def _top_k_top_p_threshold(
+    probs: torch.Tensor, params: list[SamplingParams]
+) -> torch.Tensor | None:
+    """[rows, 1] the smallest probability that top-k and top-p keep; None if neither is on.
 
-
-def _exponential_noise(
-    probs: torch.Tensor, generators: list[torch.Generator | None]
-) -> torch.Tensor:
-    noise = torch.empty_like(probs)
-    if any(g is None for g in generators):
-        noise.exponential_()
+    Sorting the whole vocabulary is slow on CPU, so the cut is looked for among the
+    most likely CANDIDATES tokens first; rows whose cut lies beyond them (a flat
+    distribution with a large top_p) look again among 16 times more, up to all.
+    """
     vocab = probs.shape[1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if all(k == vocab for k in top_k) and all(p >= 1.0 for p in top_p):
+        return None
+    k_tensor = torch.tensor(top_k, device=probs.device).unsqueeze(1)
+    p_tensor = _column(top_p, probs.device)
+    width = min(vocab, max([CANDIDATES, *(k for k in top_k if k < vocab)]))
+    threshold, covered = _cut(probs, k_tensor, p_tensor, width)
+    while not bool(covered.all()):
+        width = min(vocab, width * 16)
+        rest = (~covered).nonzero().squeeze(1)
+        threshold[rest], covered[rest] = _cut(probs[rest], k_tensor[rest], p_tensor[rest], width)
+    return threshold
+
+
+def _cut(
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Threshold among the `width` most likely tokens, and whether that was enough."""
+    ordered = probs.topk(width, dim=-1, sorted=True).values
+    rank = torch.arange(width, device=probs.device)
+    inside = top_k <= width  # [rows, 1]: top-k cuts among the candidates
+    ordered = ordered.masked_fill(rank >= top_k, 0.0)  # top-k first
+    mass = ordered.cumsum(dim=-1)
+    # top-p applies to what top-k keeps: all of it lies among the candidates when
+    # top-k cuts there; otherwise it is the whole (softmax-normalised) distribution.
+    total = torch.where(inside, mass[:, -1:], torch.ones_like(top_p))
+    # Keep tokens while the mass before them is below top_p; the first always stays.
+    kept = ((mass - ordered) < top_p * total) & (ordered > 0)
+    last = (kept.sum(dim=-1, keepdim=True) - 1).clamp_min_(0)
+    threshold = ordered.gather(1, last)
+    covered = (inside | (mass[:, -1:] >= top_p * total)).squeeze(1)
+    return threshold, covered
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row, token i with probability probs[i] / sum(probs) (inverse CDF).
+
+    One uniform number per row: a seeded row takes it from its own generator, and as
+    the cumulative sum of a row depends only on that row, its token does not depend
+    on the rest of the batch.
+    """
+    rows = probs.shape[0]
+    uniform = torch.rand(rows, 1, device=probs.device) if None in generators else None
+    if uniform is None:
+        uniform = torch.empty(rows, 1, device=probs.device)
     for i, generator in enumerate(generators):
         if generator is not None:
-            # Drawn on the generator's device (a CPU generator may serve a CUDA batch).
-            row = torch.empty(vocab, device=generator.device).exponential_(generator=generator)
-            noise[i] = row
-    # Exp(1) can return exactly 0; p / 0 would win whatever p is, even a filtered token.
-    return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+            uniform[i] = torch.rand(1, generator=generator, device=generator.device)
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # Strictly below the total, so the first cdf entry above it always exists, and its
+    # token has a probability above zero.
+    target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
 def _build_results(
@@ -228,8 +269,10 @@ def _build_results(
     top: dict[int, list[tuple[int, float]]] = {}
     if logprob_rows:
         index = torch.tensor(logprob_rows, device=logits.device)
-        raw = torch.log_softmax(logits.index_select(0, index), dim=-1)
-        picked = raw.gather(1, token_ids.index_select(0, index).unsqueeze(1)).squeeze(1)
+        raw = torch.log_softmax(
+            logits if len(logprob_rows) == len(params) else logits[index], dim=-1
+        )
+        picked = raw.gather(1, token_ids[index].unsqueeze(1)).squeeze(1)
         chosen = dict(zip(logprob_rows, picked.tolist(), strict=True))
         k_max = max(params[i].logprobs or 0 for i in logprob_rows)
         if k_max > 0:
@@ -247,5 +290,5 @@ def _build_results(
     return results
 
 
-def _column(values: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return values.to(device=device, dtype=torch.float32).unsqueeze(1)
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)

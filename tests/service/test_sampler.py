@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagedinfer.service import sampler as sampler_module
 from pagedinfer.service.detokenizer import IncrementalDetokenizer
 from pagedinfer.service.sampler import (
     Sampler,
@@ -17,6 +18,7 @@ from pagedinfer.service.sampler import (
     SamplingRow,
     apply_penalties,
     make_generator,
+    processed_probs,
 )
 from pagedinfer.service.sampling_params import SamplingParams
 from pagedinfer.service.stop_checker import StopChecker
@@ -86,6 +88,46 @@ def test_greedy_and_random_rows_mix_in_one_batch():
 def test_tiny_temperature_is_greedy_without_overflow():
     logits = random_logits(16) * 100
     assert sample(logits, SamplingParams(temperature=1e-7)) == logits.argmax(-1).tolist()
+
+
+def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The filters as plainly as they can be written: one row, one full sort."""
+    probs = (logits / p.temperature).softmax(-1)
+    order = probs.argsort(descending=True).tolist()
+    if p.top_k > 0:
+        order = order[: p.top_k]
+    total = sum(probs[i].item() for i in order)
+    kept, mass = [], 0.0
+    for i in order:
+        if mass >= p.top_p * total:
+            break
+        kept.append(i)
+        mass += probs[i].item()
+    kept = [i for i in kept if probs[i] >= p.min_p * probs[order[0]]]
+    out = torch.zeros_like(probs)
+    out[kept] = probs[kept]
+    return out
+
+
+FILTERS = [
+    SamplingParams(temperature=0.9, top_k=7),
+    SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=5.0, top_p=0.99),  # flat: the cut lies far down the list
+    SamplingParams(temperature=0.6, top_k=40, top_p=0.9, min_p=0.05),
+    SamplingParams(temperature=1.0, min_p=0.1),
+    SamplingParams(temperature=1.0),
+]
+
+
+@pytest.mark.parametrize("candidates", [4, 10_000], ids=["few-candidates", "many-candidates"])
+def test_filters_keep_exactly_what_a_full_sort_keeps(monkeypatch, candidates):
+    monkeypatch.setattr(sampler_module, "CANDIDATES", candidates)
+    logits = random_logits(len(FILTERS), vocab=300, seed=3)
+    got = processed_probs(logits, FILTERS)
+    for i, params in enumerate(FILTERS):
+        want = reference_probs(logits[i], params)
+        assert torch.equal(got[i] > 0, want > 0), params
+        assert torch.allclose(got[i], want, atol=1e-6)
 
 
 # --- distributions (many draws of a small fixed distribution, loose bounds) -----------
