@@ -80,10 +80,10 @@ def default_gguf_path() -> Path:
 
 def ensure_default_model() -> Path:
     """Directory of the embedded default model as safetensors, converting it on first use."""
-    return ensure_converted_gguf(default_gguf_path(), name=DEFAULT_MODEL_NAME)
+    return ensure_converted_gguf(default_gguf_path())
 
 
-def ensure_converted_gguf(gguf_path: Path, name: str | None = None) -> Path:
+def ensure_converted_gguf(gguf_path: Path) -> Path:
     """Dequantise a GGUF file once into a cached Hugging Face directory; return that directory.
 
     Idempotent and cheap when cached. Safe under concurrency: one process converts
@@ -94,7 +94,7 @@ def ensure_converted_gguf(gguf_path: Path, name: str | None = None) -> Path:
     key = hashlib.sha256(
         f"{gguf_path}|{stat.st_size}|{stat.st_mtime_ns}|{_CONVERSION_VERSION}".encode()
     ).hexdigest()[:12]
-    target = cache_dir() / "models" / f"{name or gguf_path.stem}-{key}"
+    target = cache_dir() / "models" / f"{gguf_path.stem}-{key}"
     if _is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -269,8 +269,6 @@ def model_config_from_hf(
     num_heads = int(raw["num_attention_heads"])
     hidden_size = int(raw["hidden_size"])
     rope_theta, rope_scaling = _rope(raw)
-    if rope_scaling and rope_scaling["rope_type"] == "dynamic" and used_len > max_pos:
-        raise ValueError("dynamic rope scaling beyond max_position_embeddings is not supported")
     qkv_bias = model_type == "qwen2" or bool(raw.get("attention_bias", False))
     return ModelConfig(
         architecture=model_type,
