@@ -1,9 +1,10 @@
 """Kernel test fixtures: both backends, and paged batches built the hard way.
 
-Triton decides at definition time whether a kernel is interpreted, so without a GPU the
-Triton module is imported here with TRITON_INTERPRET=1. The variable is restored
-afterwards, so a run that collects the whole test tree does not push the model tests
-onto the (slow) interpreter; scripts/test.sh runs this suite in its own process anyway.
+Triton decides when a kernel is defined whether it is interpreted, and its own library
+must agree, so without a GPU this suite turns TRITON_INTERPRET=1 on before anything
+imports Triton, for the whole process. Run it in a process of its own, as
+scripts/test.sh does: with the variable on, the public ops route every CPU call to the
+(slow) interpreter.
 """
 
 from __future__ import annotations
@@ -16,22 +17,15 @@ from types import ModuleType
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
-def _import_triton_ops() -> ModuleType:
-    previous = os.environ.get("TRITON_INTERPRET")
-    if not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        from pagedinfer.kernels import triton_ops
-    finally:
-        if previous is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-    return triton_ops
+from pagedinfer.kernels import triton_ops
 
+assert torch.cuda.is_available() or triton_ops._INTERPRETED, (
+    "the Triton kernels were defined before TRITON_INTERPRET=1 was set"
+)
 
-triton_ops = _import_triton_ops()
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
