@@ -101,7 +101,8 @@ class Sampler:
         params = [row.params for row in rows]
         penalised = [i for i, p in enumerate(params) if has_penalties(p)]
         if penalised:
-            logits = logits.clone()  # the raw logits stay intact for the logprobs
+            # A contiguous copy: the raw logits stay intact for the logprobs.
+            logits = logits.clone(memory_format=torch.contiguous_format)
             apply_penalties(logits, rows, penalised)
         random_rows = [i for i, p in enumerate(params) if not is_greedy(p)]
         if len(random_rows) == len(rows):
