@@ -176,7 +176,13 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         )
         for policy in POLICIES
     }
-    num_blocks = args.num_blocks or 12 * configs["paged"].max_blocks_per_seq
+    per_request = configs["paged"].max_blocks_per_seq
+    num_blocks = 12 * per_request if args.num_blocks is None else args.num_blocks
+    if num_blocks < per_request:
+        raise ValueError(
+            f"num_blocks ({num_blocks}) must hold one request of max_model_len "
+            f"{args.max_model_len} ({per_request} blocks)"
+        )
     trace = make_trace(args.num_requests, args.seed, args.max_model_len, args.arrival_rate)
     results = {policy: simulate(trace, config, num_blocks) for policy, config in configs.items()}
     summary: dict = {policy: result.summary() for policy, result in results.items()}
