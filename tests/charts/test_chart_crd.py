@@ -274,3 +274,46 @@ def test_schema_check_names_the_bad_field(crd, isvc_validator):
     assert "spec.engine.blockSize" in errors
     assert "spec.engine.gpuMemoryUtilization" in errors  # exclusiveMinimum: 0
     assert "'replica' was unexpected" in errors
+
+
+def test_the_full_sample_is_itself_a_valid_inferenceservice(full_body, isvc_validator):
+    assert schema_errors(isvc_validator, full_body) == []
+
+
+# -- the fields the operator writes ------------------------------------------------
+
+
+def test_every_status_field_the_operator_writes_exists_in_the_crd(full_body, isvc_validator):
+    """Fields the schema lacks would be pruned by the API server, silently."""
+    from pagedinfer.operator import autoscaler, status
+
+    now = 1_800_000_000.0
+    deployment = {
+        "metadata": {"generation": 3},
+        "spec": {"replicas": 2},
+        "status": {
+            "replicas": 2,
+            "readyReplicas": 1,
+            "updatedReplicas": 2,
+            "observedGeneration": 3,
+        },
+    }
+    written = status.deployment_status(full_body, deployment, now)
+    written |= status.static_scaling_status(written, now)
+    decision = autoscaler.Decision(
+        desired=3,
+        reason="ScaleUp",
+        message="2 -> 3: utilization 0.90 vs target 0.70 on 1 pod(s)",
+        recommendation=3,
+        utilization=0.9,
+        free_ratio=0.1,
+        pods_with_metrics=1,
+        missing=("pod-b",),
+    )
+    written |= status.autoscaling_status(written, decision, 2, {"pod-b": "timed out"}, now)
+    assert {"url", "selector", "conditions", "desiredReplicas", "autoscaling"} <= set(written)
+    assert written["autoscaling"]["history"], "a scaling action was recorded"
+    assert schema_errors(isvc_validator, {**full_body, "status": written}) == []
+
+    refused = status.deployment_status(full_body, None, now, invalid=["spec.replicas: bad"])
+    assert schema_errors(isvc_validator, {**full_body, "status": refused}) == []

@@ -29,8 +29,21 @@ from conftest import (
     template_args,
 )
 
+from pagedinfer.operator.spec import validation_errors
+
 VALUES_IDS = [p.stem for p in CI_VALUES]
+KOPF_PEERING_API = "kopf.dev/v1"
 OPERATOR = f"{RELEASE}-pagedinfer-operator"
+
+
+def operator_crd_tools():
+    """tests/operator/crd_tools.py: the CRD's defaults and CEL rules, applied offline."""
+    path = CHART_DIR.parents[1] / "tests" / "operator" / "crd_tools.py"
+    spec = importlib.util.spec_from_file_location("operator_crd_tools", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def ci_values(name: str) -> Path:
@@ -73,6 +86,9 @@ def test_every_rendered_object_passes_kubernetes_validate_strict(values, isvc_va
         where = f"{obj['kind']}/{obj['metadata']['name']}"
         if obj["apiVersion"] == f"{GROUP}/{VERSION}":
             problems += [f"{where}: {e}" for e in schema_errors(isvc_validator, obj)]
+            continue
+        if obj["apiVersion"] == KOPF_PEERING_API:  # kopf's CRD, not ours: no schema here
+            assert obj["kind"] in ("ClusterKopfPeering", "KopfPeering") and "spec" not in obj
             continue
         for kube_version in KUBE_VERSIONS:
             try:
@@ -176,12 +192,16 @@ def test_the_image_follows_the_values():
 
 # What the operator does with each resource. Deletion is the garbage collector's job
 # (owner references), so the operator never needs the delete verb.
+# (operator/kube.py: get, create, server-side apply = patch, merge patch, list pods;
+# handlers.py: kopf watches InferenceServices, and Deployments and Services by label.)
 OPERATOR_RULES = {
     ("serving.pagedinfer.dev", "inferenceservices"): {"get", "list", "watch", "patch"},
-    ("serving.pagedinfer.dev", "inferenceservices/status"): {"get", "patch"},
+    ("serving.pagedinfer.dev", "inferenceservices/status"): {"patch"},
+    # blockOwnerDeletion in the children's owner references (kopf.adopt).
+    ("serving.pagedinfer.dev", "inferenceservices/finalizers"): {"update"},
     ("apps", "deployments"): {"get", "list", "watch", "create", "patch"},
     ("", "services"): {"get", "list", "watch", "create", "patch"},
-    ("", "pods"): {"get", "list", "watch"},
+    ("", "pods"): {"list"},
     ("", "events"): {"create"},
 }
 KOPF_CLUSTER_RULES = {
@@ -293,7 +313,7 @@ def test_operator_args_follow_scope_and_peering():
     assert "--all-namespaces" in default and "--standalone" in default
     namespaced = operator_args(render(ci_values("namespaced-values")))
     assert "--namespace=pagedinfer" in namespaced and "--namespace=team-a" in namespaced
-    assert "--peering=pagedinfer-ha" in namespaced
+    assert "--peering=pagedinfer-dev" in namespaced and "--priority=10" in namespaced
     assert "--all-namespaces" not in namespaced and "--standalone" not in namespaced
 
 
@@ -307,11 +327,21 @@ def test_operator_args_are_accepted_by_the_pagedinfer_operator_command(values):
     assert parsed.command == "operator"
 
 
-def test_standalone_operator_stops_the_old_pod_before_starting_a_new_one():
-    (deployment,) = by_kind(render(ci_values("default-values")), "Deployment")
+@pytest.mark.parametrize("values", CI_VALUES, ids=VALUES_IDS)
+def test_never_two_operators_at_once(values):
+    """kopf has no leader election: one replica, and the old pod stops before the new one."""
+    (deployment,) = by_kind(render(values), "Deployment")
+    assert deployment["spec"]["replicas"] == 1
     assert deployment["spec"]["strategy"] == {"type": "Recreate"}
-    (peered,) = by_kind(render(ci_values("namespaced-values")), "Deployment")
-    assert peered["spec"]["replicas"] == 2 and "strategy" not in peered["spec"]
+
+
+def test_peering_objects_follow_the_operator_scope():
+    namespaced = by_kind(render(ci_values("namespaced-values")), "KopfPeering")
+    assert sorted(o["metadata"]["namespace"] for o in namespaced) == ["pagedinfer", "team-a"]
+    cluster = render(ci_values("default-values"), "operator.peering.enabled=true")
+    (peering,) = by_kind(cluster, "ClusterKopfPeering")
+    assert peering["metadata"]["name"] == "pagedinfer"
+    assert not by_kind(render(ci_values("default-values")), "ClusterKopfPeering")
 
 
 # -- example InferenceService -------------------------------------------------------
@@ -327,6 +357,11 @@ def test_example_inferenceservice_is_valid_against_the_crd(values, name, isvc_va
     assert isvc["metadata"]["name"] == name
     assert isvc["metadata"]["namespace"] == NAMESPACE
     assert schema_errors(isvc_validator, isvc) == []
+    # The CEL rules, which only an API server enforces: as the operator repeats them, and
+    # as written in the CRD, evaluated by cel-python through the operator suite's helper.
+    assert validation_errors(isvc) == []
+    pytest.importorskip("celpy")
+    assert operator_crd_tools().admission_errors(isvc) == []
 
 
 def test_autoscaling_off_example_has_static_replicas():
@@ -335,11 +370,13 @@ def test_autoscaling_off_example_has_static_replicas():
     assert isvc["spec"]["replicas"] == 2
 
 
-def test_example_defaults_to_the_chart_image():
+def test_inferenceservices_without_an_image_run_the_chart_image():
     objects = render(ci_values("autoscaling-off-values"))
     (isvc,) = by_kind(objects, KIND)
     (deployment,) = by_kind(objects, "Deployment")
-    assert isvc["spec"]["image"] == deployment["spec"]["template"]["spec"]["containers"][0]["image"]
+    chart_image = deployment["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert "image" not in isvc["spec"]
+    assert f"--default-image={chart_image}" in operator_args(objects)
     (custom,) = by_kind(render(ci_values("custom-values")), KIND)
     assert custom["spec"]["image"] == "registry.example.com/ml/pagedinfer:0.1.0-cuda"
 
@@ -363,7 +400,7 @@ def test_helm_test_pod_waits_for_the_example_when_it_is_on():
         (["operator.replicaCont=2"], "replicaCont"),  # a typo: values.schema.json
         (["image.pullPolicy=Sometimes"], "pullPolicy"),
         (["operator.watchNamespaces={Team_A}"], "watchNamespaces"),
-        (["operator.replicaCount=2"], "peering"),  # two standalone operators
+        (["operator.replicaCount=2"], "replicaCount"),  # two operators would both act
         (
             ["example.enabled=true", "operator.watchNamespaces={other}"],
             "watchNamespaces leaves out",

@@ -41,3 +41,4 @@ def test_script_applies_an_example_that_exists_under_the_name_it_waits_for():
     isvc = yaml.safe_load((REPO_ROOT / example).read_text())
     assert isvc["metadata"]["name"] == name
     assert "replicas" in isvc["spec"], "the scale-up step patches replicas away"
+    assert "image" not in isvc["spec"], "it must run the image under test, the chart's image"

@@ -2,9 +2,6 @@
 Refuses value combinations that render valid objects but cannot work.
 */}}
 {{- define "pagedinfer.validate" -}}
-{{- if and (gt (int .Values.operator.replicaCount) 1) (not .Values.operator.peering.enabled) }}
-{{- fail "operator.replicaCount > 1 needs operator.peering.enabled: standalone operators would all act on every InferenceService" }}
-{{- end }}
 {{- if and .Values.example.enabled .Values.operator.watchNamespaces (not (has .Release.Namespace .Values.operator.watchNamespaces)) }}
 {{- fail (printf "example.enabled installs an InferenceService in %q, which operator.watchNamespaces leaves out" .Release.Namespace) }}
 {{- end }}
