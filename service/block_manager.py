@@ -168,10 +168,8 @@ class KVCacheManager:
         start = request.num_computed_tokens + len(computed_blocks) * size
         end = start + num_new_tokens
         num_needed = max(self.num_blocks_for(end) - len(table) - len(computed_blocks), 0)
-        shared = [
-            i for i in range(start // size, min(-(-end // size), len(table)))
-            if blocks[table[i]].ref_count > 1
-        ]  # fmt: skip
+        last = min(-(-end // size), len(table))  # blocks written this step that already exist
+        shared = [i for i in range(start // size, last) if blocks[table[i]].ref_count > 1]
         revived = sum(1 for b in computed_blocks if b.ref_count == 0)
         if num_needed + len(shared) + revived > self.pool.num_free:
             return False
@@ -181,7 +179,7 @@ class KVCacheManager:
                 self.pool.touch(block)
                 table.append(block.block_id)
             self._block_hashes[request.request_id] = [b.block_hash for b in computed_blocks]
-            request.num_computed_tokens = request.num_cached_tokens = start
+            request.num_computed_tokens = start
         for i in shared:
             old, new = blocks[table[i]], self.pool.allocate()
             if i * size < start:  # the block already holds tokens: copy them over

@@ -132,6 +132,7 @@ class Scheduler:
                 break  # strict FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            request.num_cached_tokens = num_cached
             self.running.append(request)
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_cached
@@ -209,11 +210,19 @@ class Scheduler:
         """Start a running child that shares the parent's computed tokens and blocks.
 
         The child's tokens must agree with the parent's on the computed prefix and go
-        at least one token past it (its own sampled token).
+        at least one token past it (its own sampled token). A child that already has
+        max_tokens outputs has nothing to compute and finishes at once (reported with
+        the next step's finished requests), even if its parent has just finished too.
         """
+        self._check_fits(child)
+        if child.parent_id is None:
+            child.parent_id = parent.request_id
+        if child.num_output_tokens >= child.sampling_params.max_tokens:
+            child.status = RequestStatus.FINISHED_LENGTH
+            self._finished.append(child)
+            return
         if parent.status is not RequestStatus.RUNNING:
             raise ValueError(f"fork parent {parent.request_id} is not running")
-        self._check_fits(child)
         num_computed = parent.num_computed_tokens
         if (
             child.num_tokens <= num_computed
@@ -225,8 +234,6 @@ class Scheduler:
             )
         child.num_computed_tokens = num_computed
         child.num_cached_tokens = parent.num_cached_tokens
-        if child.parent_id is None:
-            child.parent_id = parent.request_id
         self.kv_cache.fork(parent, child)
         child.status = RequestStatus.RUNNING
         self.requests[child.request_id] = child

@@ -171,7 +171,9 @@ def test_prefix_cache_hits_skip_computation_and_are_counted() -> None:
     scheduler.add_request(make_request("a", 10, max_tokens=1))
     step(scheduler)
     scheduler.add_request(make_request("b", 10, max_tokens=1))
+    b = scheduler.get_request("b")
     assert planned(step(scheduler)) == {"b": 2}  # 8 tokens come from the cache
+    assert b.num_cached_tokens == 8
     assert scheduler.get_request("b") is None
     stats = scheduler.stats()
     assert stats.prefix_cache_queries == 20
@@ -238,6 +240,19 @@ def test_fork_shares_blocks_and_schedules_a_copy_of_the_shared_last_block() -> N
     run_to_completion(scheduler)
     assert child.num_output_tokens == 4 and parent.num_output_tokens == 4
     assert scheduler.stats().kv.used == 0
+
+
+def test_fork_of_a_child_with_all_its_tokens_finishes_it_without_blocks() -> None:
+    scheduler = make_scheduler()
+    parent = make_request("p", 6, max_tokens=1)
+    scheduler.add_request(parent)
+    step(scheduler)  # the parent samples its only token and finishes
+    child = Request("p-1", parent.prompt_token_ids, parent.sampling_params, index=1)
+    child.append_output_token(5)
+    scheduler.fork_request(parent, child)
+    assert child.status is RequestStatus.FINISHED_LENGTH and child.block_table == []
+    assert [r.request_id for r in scheduler.schedule().finished] == ["p", "p-1"]
+    assert not scheduler.has_unfinished()
 
 
 def test_fork_child_must_extend_the_parents_computed_tokens() -> None:
