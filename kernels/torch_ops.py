@@ -2,11 +2,15 @@
 
 No Python loop per token or block. Sequences are split into two groups, decodes (one
 new token) and prefills (more than one), so a long prefill chunk does not pad every
-decode to its query length. Each group gathers its K/V blocks through the block
-tables in one `index_select`, pads to the group's longest context, zeroes the padding
+decode to its query length. Each group gathers its K/V blocks through the block tables
+in one `index_select`, pads to the group's longest context, zeroes the padding
 (unwritten slots may hold NaN, and a -inf score does not stop 0 * NaN), and runs one
-batched scaled_dot_product_attention with a causal mask. GQA runs without repeating
-K/V: the query heads of one KV head are folded into the query-length dimension.
+batched scaled_dot_product_attention:
+- decodes fold the query heads of one KV head into the query-length dimension, so each
+  K/V row is read once per KV head, not once per query head;
+- prefills use SDPA's own GQA with a mask for the causal offset (the new tokens are
+  the last positions of the context), or is_causal when no sequence has earlier
+  context (a fresh prompt), which lets the kernel skip the masked half.
 Arithmetic is fp32 (bf16/fp16 matmuls are slow on CPU); the output takes query's dtype.
 """
 
@@ -52,88 +56,98 @@ def paged_attention(
         out = torch.empty_like(query)
     if query.shape[0] == 0:
         return out
-    qsl = query_start_loc.long()
+    starts = query_start_loc.long()
     seq_lens = seq_lens.long()
-    query_lens = qsl[1:] - qsl[:-1]
-    groups = (query_lens == 1, query_lens > 1)
-    for members in groups:
+    query_lens = starts[1:] - starts[:-1]
+    for decode, members in ((True, query_lens == 1), (False, query_lens > 1)):
         seq_ids = members.nonzero().flatten()
-        if seq_ids.numel() > 0:
-            _attend_group(
-                query,
-                k_cache,
-                v_cache,
-                block_tables,
-                seq_lens,
-                qsl,
-                query_lens,
-                seq_ids,
-                scale,
-                out,
-            )
+        if seq_ids.numel() == 0:
+            continue
+        lens, qlens = seq_lens[seq_ids], query_lens[seq_ids]
+        key, value = _gather_context(k_cache, v_cache, block_tables[seq_ids], lens)
+        # tokens[s, i]: the query row of new token i of sequence s (0 where s has fewer).
+        offsets = torch.arange(int(qlens.max()), device=lens.device)
+        valid = offsets[None, :] < qlens[:, None]
+        tokens = torch.where(valid, starts[seq_ids][:, None] + offsets, 0)
+        q = query[tokens].float()  # [seqs, max_new, heads, head_dim]
+        if decode:
+            o = _decode(q, key, value, lens, scale)
+        else:
+            o = _prefill(q, key, value, lens, qlens, scale)
+        out[tokens[valid]] = o[valid].to(out.dtype)
     return out
 
 
-def _attend_group(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    qsl: torch.Tensor,
-    query_lens: torch.Tensor,
-    seq_ids: torch.Tensor,
-    scale: float,
-    out: torch.Tensor,
-) -> None:
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
-    lens = seq_lens[seq_ids]
-    qlens = query_lens[seq_ids]
-    num_seqs = seq_ids.numel()
-    max_q = int(qlens.max())
+def _gather_context(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of each sequence, fp32 [seqs, ctx, kv_heads, head_dim], zero past its end."""
+    num_seqs = lens.shape[0]
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_ctx_blocks = (int(lens.max()) + block_size - 1) // block_size
     ctx = num_ctx_blocks * block_size
-
-    # K/V: whole blocks in one gather; table entries past a sequence's end may be
-    # anything, so they are redirected to block 0 and zeroed with the other padding.
-    table = block_tables[seq_ids, :num_ctx_blocks].long()
-    cols = torch.arange(num_ctx_blocks, device=table.device)
-    used = cols[None, :] * block_size < lens[:, None]
+    # Whole blocks in one gather. Table entries past a sequence's end may hold anything,
+    # so they are redirected to block 0, whose rows are then zeroed with the padding.
+    table = block_tables[:, :num_ctx_blocks].long()
+    used = torch.arange(num_ctx_blocks, device=lens.device)[None, :] * block_size < lens[:, None]
     table = torch.where(used, table, 0).flatten()
-    key = _gather_blocks(k_cache, table, "key").view(num_seqs * ctx, num_kv_heads * head_dim)
-    value = _gather_blocks(v_cache, table, "value").view(num_seqs * ctx, num_kv_heads * head_dim)
-    positions = torch.arange(ctx, device=table.device)
-    padding = (positions[None, :] >= lens[:, None]).flatten().nonzero().flatten()
+    key = _gather_blocks(k_cache, table, "key").view(num_seqs * ctx, -1)
+    value = _gather_blocks(v_cache, table, "value").view(num_seqs * ctx, -1)
+    padding = (
+        (torch.arange(ctx, device=lens.device)[None, :] >= lens[:, None])
+        .flatten()
+        .nonzero()
+        .flatten()
+    )
     key.index_fill_(0, padding, 0.0)
     value.index_fill_(0, padding, 0.0)
-    key = key.view(num_seqs, ctx, num_kv_heads, head_dim)
-    value = value.view(num_seqs, ctx, num_kv_heads, head_dim)
-    key = key.transpose(1, 2)  # [seqs, kv_heads, ctx, head_dim]
-    value = value.transpose(1, 2)
+    shape = (num_seqs, ctx, num_kv_heads, head_dim)
+    return key.view(shape), value.view(shape)
 
-    # Queries: rows (query head in group, token) of one KV head share its K/V.
-    q_offsets = torch.arange(max_q, device=table.device)
-    q_valid = q_offsets[None, :] < qlens[:, None]
-    tokens = torch.where(q_valid, qsl[seq_ids][:, None] + q_offsets, 0)
-    q = query[tokens]  # [seqs, max_q, heads, head_dim]
-    if q.dtype != torch.float32:
-        q = q.float()
-    q = q.view(num_seqs, max_q, num_kv_heads, group, head_dim)
-    q = q.permute(0, 2, 3, 1, 4).reshape(num_seqs, num_kv_heads, group * max_q, head_dim)
 
-    # Causal mask: query i of a sequence sits at position len - qlen + i.
-    q_pos = (lens - qlens)[:, None] + q_offsets
-    mask = positions[None, None, :] <= q_pos[:, :, None]  # [seqs, max_q, ctx]
-    mask = (
-        mask[:, None].expand(num_seqs, group, max_q, ctx).reshape(num_seqs, 1, group * max_q, ctx)
+def _decode(
+    q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [seqs, 1, heads, head_dim] -> the same shape."""
+    num_seqs, _, num_heads, head_dim = q.shape
+    ctx, num_kv_heads = key.shape[1], key.shape[2]
+    # The group's heads become the query rows of their KV head: K/V are read once per
+    # KV head. (SDPA's enable_gqa reads them once per query head: slower here.)
+    q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    visible = (torch.arange(ctx, device=lens.device)[None, :] < lens[:, None])[:, None, None, :]
+    o = F.scaled_dot_product_attention(
+        q, key.transpose(1, 2), value.transpose(1, 2), attn_mask=visible, scale=scale
     )
+    return o.reshape(num_seqs, 1, num_heads, head_dim)
 
-    o = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
-    o = o.view(num_seqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
-    o = o.reshape(num_seqs, max_q, num_heads, head_dim)
-    out[tokens[q_valid]] = o[q_valid].to(out.dtype)
+
+def _prefill(
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    lens: torch.Tensor,
+    qlens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [seqs, max_new, heads, head_dim] -> the same shape."""
+    ctx = key.shape[1]
+    q, key, value = q.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if bool((qlens == lens).all()):
+        # Fresh prompts: new token i sees positions <= i. Padding rows (i >= qlen) see
+        # zeroed K/V and are discarded.
+        o = F.scaled_dot_product_attention(
+            q, key, value, is_causal=True, scale=scale, enable_gqa=True
+        )
+    else:
+        # New token i of a sequence sits at position len - qlen + i.
+        positions = (lens - qlens)[:, None] + torch.arange(q.shape[2], device=lens.device)
+        visible = (torch.arange(ctx, device=lens.device)[None, None, :] <= positions[:, :, None])[
+            :, None
+        ]
+        o = F.scaled_dot_product_attention(
+            q, key, value, attn_mask=visible, scale=scale, enable_gqa=True
+        )
+    return o.transpose(1, 2)
 
 
 def _gather_blocks(cache: torch.Tensor, table: torch.Tensor, name: str) -> torch.Tensor:

@@ -164,3 +164,10 @@ def test_public_api_dispatches_and_checks(
     monkeypatch.delenv("TRITON_INTERPRET")
     assert kernels.use_triton(batch.query) == batch.query.is_cuda
     assert_matches_reference(batch, kernels.paged_attention(*batch.args()))
+
+
+def test_fresh_prompts_of_different_lengths(backend: ModuleType, make_batch: Callable) -> None:
+    """Only new prompts, no earlier context: the padded rows of the shorter ones must not
+    disturb anything."""
+    batch = make_batch([20, 7, 33], [20, 7, 33], num_heads=9, num_kv_heads=3)
+    assert_matches_reference(batch, backend.paged_attention(*batch.args()))
