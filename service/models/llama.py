@@ -163,16 +163,19 @@ class RotaryEmbedding(nn.Module):
         table = torch.stack((angles.cos() * scale, angles.sin() * scale), dim=1)
         self.cos_sin.copy_(table)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> None:
-        """Rotate x [T, heads, head_dim] in place by the angles of positions [T]."""
-        cos_sin = self.cos_sin[positions]  # [T, 2, half]
-        cos = cos_sin[:, 0].unsqueeze(1)
-        sin = cos_sin[:, 1].unsqueeze(1)
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        rotated1 = x1 * cos - x2 * sin
-        x2.mul_(cos).addcmul_(x1, sin)
-        x1.copy_(rotated1)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, head_dim / 2] of positions [T]; once per forward, shared by layers."""
+        cos_sin = self.cos_sin[positions]
+        return cos_sin[:, 0].unsqueeze(1), cos_sin[:, 1].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate x [T, heads, head_dim] in place (neox style: the two halves form the pairs)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated1 = x1 * cos - x2 * sin
+    x2.mul_(cos).addcmul_(x1, sin)
+    x1.copy_(rotated1)
 
 
 class RMSNorm(nn.Module):
@@ -206,8 +209,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionMetadata,
     ) -> torch.Tensor:
@@ -217,7 +219,7 @@ class Attention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(
             num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
         )
-        rotary(positions, qk)
+        apply_rotary(qk, *rope)
         query = qk[:, : self.num_heads]
         key = qk[:, self.num_heads :]
         value = qkv[:, self.q_size + self.kv_size :].view(
@@ -267,13 +269,12 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionMetadata,
     ) -> torch.Tensor:
         # hidden is the residual stream; it is updated in place.
-        hidden += self.self_attn(self.input_layernorm(hidden), positions, rotary, kv_cache, attn)
+        hidden += self.self_attn(self.input_layernorm(hidden), rope, kv_cache, attn)
         hidden += self.mlp(self.post_attention_layernorm(hidden))
         return hidden
 
@@ -318,8 +319,9 @@ class LlamaModel(nn.Module):
                 f"kv_caches has {len(kv_caches)} entries for {len(self.layers)} layers"
             )
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, positions, self.rotary, kv_cache, attn)
+            hidden = layer(hidden, rope, kv_cache, attn)
         # Only the sampled rows need the final norm and the (large) vocabulary projection.
         hidden = self.norm(hidden[logits_indices])
         return F.linear(hidden, self.lm_head_weight()).float()
