@@ -1,7 +1,8 @@
-"""Deliberately simple reference for the kernel ops, used only by tests and benchmarks.
+"""Deliberately simple reference for the kernel ops, used only by tests.
 
-One Python loop per sequence, per head and per context position: slow, but each line
-follows the contract's definitions directly, so it is easy to check by reading.
+One Python loop per sequence, per context position (to fetch K/V through the block
+table), per new token and per head: slow, but each line follows the contract's
+definitions directly, so it is easy to check by reading.
 Arithmetic is float64.
 """
 
@@ -56,13 +57,8 @@ def paged_attention_reference(
             position = seq_len - num_new + i  # the new tokens are the last positions
             for head in range(num_heads):
                 kv_head = head // group
-                q = query[token, head].double()
-                scores = [
-                    float(q @ keys[p, kv_head]) * scale if p <= position else -math.inf
-                    for p in range(seq_len)
-                ]
-                top = max(scores)
-                weights = torch.tensor([math.exp(s - top) for s in scores], dtype=torch.float64)
-                weights /= weights.sum()
+                scores = keys[:, kv_head] @ query[token, head].double() * scale
+                scores[position + 1 :] = -math.inf  # causal: nothing after this token
+                weights = torch.softmax(scores, dim=0)
                 out[token, head] = (weights @ values[:, kv_head]).to(query.dtype)
     return out

@@ -1,11 +1,11 @@
 """Vectorised torch path for CPU: the backend the model uses when it runs without a GPU.
 
-No Python loop per token or block. Sequences are split into two groups, decodes (one
-new token) and prefills (more than one), so a long prefill chunk does not pad every
-decode to its query length. Each group gathers its K/V blocks through the block tables
-in one `index_select`, pads to the group's longest context, zeroes the padding
-(unwritten slots may hold NaN, and a -inf score does not stop 0 * NaN), and runs one
-batched scaled_dot_product_attention:
+No Python loop per token or block. Sequences are grouped so that padding stays cheap:
+decodes (one new token) apart from prefills, and lengths in power-of-two buckets (a
+batch of decodes with contexts from 50 to 2000 tokens is not all padded to 2000). Each
+group gathers its K/V blocks through the block tables in one `index_select`, pads to
+the group's longest context, zeroes the padding (unwritten slots may hold NaN, and a
+-inf score does not stop 0 * NaN), and runs one batched scaled_dot_product_attention:
 - decodes fold the query heads of one KV head into the query-length dimension, so each
   K/V row is read once per KV head, not once per query head;
 - prefills use SDPA's own GQA with a mask for the causal offset (the new tokens are
@@ -59,10 +59,7 @@ def paged_attention(
     starts = query_start_loc.long()
     seq_lens = seq_lens.long()
     query_lens = starts[1:] - starts[:-1]
-    for decode, members in ((True, query_lens == 1), (False, query_lens > 1)):
-        seq_ids = members.nonzero().flatten()
-        if seq_ids.numel() == 0:
-            continue
+    for seq_ids in _length_groups(query_lens, seq_lens):
         lens, qlens = seq_lens[seq_ids], query_lens[seq_ids]
         key, value = _gather_context(k_cache, v_cache, block_tables[seq_ids], lens)
         # tokens[s, i]: the query row of new token i of sequence s (0 where s has fewer).
@@ -70,12 +67,29 @@ def paged_attention(
         valid = offsets[None, :] < qlens[:, None]
         tokens = torch.where(valid, starts[seq_ids][:, None] + offsets, 0)
         q = query[tokens].float()  # [seqs, max_new, heads, head_dim]
-        if decode:
+        if offsets.numel() == 1:
             o = _decode(q, key, value, lens, scale)
         else:
             o = _prefill(q, key, value, lens, qlens, scale)
         out[tokens[valid]] = o[valid].to(out.dtype)
     return out
+
+
+def _length_groups(query_lens: torch.Tensor, seq_lens: torch.Tensor) -> list[torch.Tensor]:
+    """Sequence ids in groups that pad cheaply: decodes apart from prefills, and within
+    each, lengths in the same power-of-two bucket, so padding to the group's longest
+    at most doubles the work. Short lengths share one bucket: a group costs a few
+    hundred microseconds of fixed overhead. Sequences with no new tokens are dropped.
+    """
+    context_bucket = _log2_bucket(seq_lens, smallest=256)
+    query_bucket = torch.where(query_lens == 1, 0, _log2_bucket(query_lens, smallest=64))
+    key = torch.where(query_lens > 0, query_bucket * 64 + context_bucket, -1)
+    return [(key == k).nonzero().flatten() for k in key.unique().tolist() if k >= 0]
+
+
+def _log2_bucket(lengths: torch.Tensor, smallest: int) -> torch.Tensor:
+    """ceil(log2(length)), with every length up to `smallest` in one bucket."""
+    return torch.log2(lengths.clamp(min=smallest).double()).ceil().long()
 
 
 def _gather_context(

@@ -171,3 +171,12 @@ def test_fresh_prompts_of_different_lengths(backend: ModuleType, make_batch: Cal
     disturb anything."""
     batch = make_batch([20, 7, 33], [20, 7, 33], num_heads=9, num_kv_heads=3)
     assert_matches_reference(batch, backend.paged_attention(*batch.args()))
+
+
+def test_lengths_spread_over_many_buckets(backend: ModuleType, make_batch: Callable) -> None:
+    """Decodes and prefills of very different lengths (the torch path groups them by
+    length) still land in their own output rows."""
+    batch = make_batch(
+        [5, 300, 700, 130, 3, 520], [1, 1, 1, 100, 3, 70], num_heads=4, num_kv_heads=2
+    )
+    assert_matches_reference(batch, backend.paged_attention(*batch.args()))
