@@ -111,11 +111,7 @@ def decide(
     now: float,
 ) -> Decision:
     """The replicas to ask for now, and why. Holding is `desired == current`."""
-    warm = [
-        p
-        for p in pods
-        if p.ready and (p.ready_since is None or now - p.ready_since >= policy.pod_warmup_s)
-    ]
+    warm = warm_pods(policy, pods, now)
     pending = len(pods) - len(warm) + max(0, current - len(pods))
     fresh = {
         p.name: samples[p.name]
@@ -168,6 +164,15 @@ def decide(
     if clamped == current:
         return hold(reason, detail)
     return Decision(clamped, reason, f"{current} -> {clamped}: {detail}", raw, **measured)
+
+
+def warm_pods(policy: AutoscalingSpec, pods: Sequence[PodState], now: float) -> list[PodState]:
+    """The pods whose metrics count: Ready, and for at least the warm-up period."""
+    return [
+        p
+        for p in pods
+        if p.ready and (p.ready_since is None or now - p.ready_since >= policy.pod_warmup_s)
+    ]
 
 
 def _recommend(

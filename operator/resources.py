@@ -12,7 +12,7 @@ from typing import Any
 
 import kopf
 
-from pagedinfer.operator.spec import GROUP, InferenceServiceSpec, parse_spec
+from pagedinfer.operator.spec import DEFAULT_REPLICAS, GROUP, InferenceServiceSpec, parse_spec
 
 GRPC_PORT = 50051
 METRICS_PORT = 9464
@@ -65,6 +65,16 @@ def standard_labels(name: str) -> dict[str, str]:
 def selector_string(name: str) -> str:
     """The pod selector as `kubectl get -l` and the scale subresource write it."""
     return ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
+
+
+def deployment_replicas(spec: InferenceServiceSpec, current: int | None) -> int:
+    """The replicas to write into the Deployment on reconciliation. With autoscaling the
+    autoscaler owns the count: keep the current one, only brought within [min, max]."""
+    if spec.autoscaling is None:
+        return DEFAULT_REPLICAS if spec.replicas is None else spec.replicas
+    policy = spec.autoscaling
+    start = policy.min_replicas if current is None else current
+    return min(max(start, policy.min_replicas), policy.max_replicas)
 
 
 def server_args(spec: InferenceServiceSpec) -> list[str]:
