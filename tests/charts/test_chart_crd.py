@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import (
+from chart_tools import (
     EXAMPLES_DIR,
     GROUP,
     KIND,

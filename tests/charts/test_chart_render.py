@@ -13,7 +13,7 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
-from conftest import (
+from chart_tools import (
     CHART_DIR,
     CI_VALUES,
     GROUP,

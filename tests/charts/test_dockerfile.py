@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import CHART_DIR, REPO_ROOT
+from chart_tools import CHART_DIR, REPO_ROOT
 from packaging.requirements import Requirement
 
 DOCKERFILE = REPO_ROOT / "Dockerfile"

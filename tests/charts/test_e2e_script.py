@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import yaml
-from conftest import REPO_ROOT
+from chart_tools import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "scripts" / "e2e_kind.sh"
 
