@@ -99,9 +99,8 @@ def write_kv(
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    block_hd = triton.next_power_of_2(num_kv_heads * head_dim)
-    tokens = max(1, min(16, 4096 // block_hd))
-    _write_kv_kernel[(triton.cdiv(num_tokens, tokens),)](
+    meta = write_kv_meta(num_kv_heads, head_dim)
+    _write_kv_kernel[(triton.cdiv(num_tokens, meta["TOKENS"]),)](
         key,
         value,
         k_cache,
@@ -113,11 +112,19 @@ def write_kv(
         *value.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        TOKENS=tokens,
-        BLOCK_HD=block_hd,
+        **meta,
     )
+
+
+def write_kv_meta(num_kv_heads: int, head_dim: int) -> dict:
+    """Compile-time constants of `_write_kv_kernel`: about 4096 elements per program."""
+    block_hd = triton.next_power_of_2(num_kv_heads * head_dim)
+    return {
+        "NUM_KV_HEADS": num_kv_heads,
+        "HEAD_DIM": head_dim,
+        "TOKENS": max(1, min(16, 4096 // block_hd)),
+        "BLOCK_HD": block_hd,
+    }
 
 
 # ---------------------------------------------------------------------- attention
@@ -126,8 +133,8 @@ def write_kv(
 @triton.jit
 def _find_sequence(query_start_loc_ptr, program, num_seqs, BLOCK_Q: tl.constexpr):
     """The last sequence i whose first query block, qsl[i] // BLOCK_Q + i, is <= program."""
-    lo = 0
-    hi = num_seqs
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
         first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
@@ -325,6 +332,17 @@ def _sm_count(device: torch.device) -> int:
     return 1
 
 
+def reduce_meta(num_heads: int, head_dim: int, num_splits: int) -> dict:
+    """Compile-time constants of `_reduce_splits_kernel`."""
+    return {
+        "NUM_HEADS": num_heads,
+        "HEAD_DIM": head_dim,
+        "HEAD_DIM_P": max(16, triton.next_power_of_2(head_dim)),
+        "NUM_SPLITS": num_splits,
+        "SPLITS_P": triton.next_power_of_2(num_splits),
+    }
+
+
 def choose_num_splits(
     num_tokens: int, num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device
 ) -> int:
@@ -340,6 +358,38 @@ def choose_num_splits(
         return 1
     by_length = max_context // 512  # keep each split at least 512 positions long
     return max(1, min(triton.cdiv(target, programs), by_length, 64))
+
+
+def attention_meta(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    decode_only: bool,
+    num_splits: int,
+) -> dict:
+    """Compile-time constants and launch options of `_paged_attention_kernel` (heuristics)."""
+    group = num_heads // num_kv_heads
+    # Rows per program: at least tl.dot's minimum of 16, more for prefill to reuse K/V.
+    block_m = max(16 if decode_only else 64, triton.next_power_of_2(group))
+    head_dim_p = max(16, triton.next_power_of_2(head_dim))
+    return {
+        "NUM_HEADS": num_heads,
+        "GROUP": group,
+        "HEAD_DIM": head_dim,
+        "HEAD_DIM_P": head_dim_p,
+        "BLOCK_SIZE": block_size,
+        "BLOCK_M": block_m,
+        "BLOCK_Q": block_m // group,
+        "TILE": 64 if head_dim_p <= 64 else 32,
+        "NUM_SPLITS": num_splits,
+        "UPCAST": _INTERPRETED,
+        # fp32 inputs get exact fp32 products (tf32 would cost ~1e-3 of accuracy).
+        "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "num_warps": 4,
+        "num_stages": 2,
+    }
 
 
 def paged_attention(
@@ -361,7 +411,6 @@ def paged_attention(
         return out
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    group = num_heads // num_kv_heads
     decode_only = num_tokens == num_seqs
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:
@@ -369,18 +418,18 @@ def paged_attention(
             num_tokens, num_seqs, num_kv_heads, max_context, query.device
         )
 
-    # Rows per program: enough to fill tl.dot's minimum of 16, bigger for prefill.
-    block_m = max(16 if decode_only else 64, triton.next_power_of_2(group))
-    block_q = block_m // group
-    head_dim_p = max(16, triton.next_power_of_2(head_dim))
-    tile = 64 if head_dim_p <= 64 else 32
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    meta = attention_meta(
+        num_heads, num_kv_heads, head_dim, block_size, query.dtype, decode_only, num_splits
+    )
+    grid = (num_tokens // meta["BLOCK_Q"] + num_seqs, num_kv_heads, num_splits)
 
     if num_splits > 1:
         shape = (num_tokens, num_heads, num_splits)
         partial_max = torch.empty(shape, dtype=torch.float32, device=query.device)
         partial_sum = torch.empty(shape, dtype=torch.float32, device=query.device)
-        partial_out = torch.empty((*shape, head_dim_p), dtype=torch.float32, device=query.device)
+        partial_out = torch.empty(
+            (*shape, meta["HEAD_DIM_P"]), dtype=torch.float32, device=query.device
+        )
     else:
         partial_max = partial_sum = partial_out = out  # unused
 
@@ -402,20 +451,7 @@ def paged_attention(
         *k_cache.stride(),
         *v_cache.stride(),
         block_tables.stride(0),
-        NUM_HEADS=num_heads,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_P=head_dim_p,
-        BLOCK_SIZE=block_size,
-        BLOCK_M=block_m,
-        BLOCK_Q=block_q,
-        TILE=tile,
-        NUM_SPLITS=num_splits,
-        UPCAST=_INTERPRETED,
-        # fp32 inputs get exact fp32 products (tf32 would cost ~1e-3 of accuracy).
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=4,
-        num_stages=2,
+        **meta,
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](
@@ -424,10 +460,6 @@ def paged_attention(
             partial_max,
             partial_sum,
             *out.stride(),
-            NUM_HEADS=num_heads,
-            HEAD_DIM=head_dim,
-            HEAD_DIM_P=head_dim_p,
-            NUM_SPLITS=num_splits,
-            SPLITS_P=triton.next_power_of_2(num_splits),
+            **reduce_meta(num_heads, head_dim, num_splits),
         )
     return out
