@@ -190,51 +190,55 @@ class LLMEngine:
             ids = ids["input_ids"]
         return list(ids)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_token_ids:
-            raise ValueError("prompt is empty")
-        max_len = self.config.max_model_len
-        if params.max_tokens > max_len:
-            raise ValueError(f"max_tokens ({params.max_tokens}) exceeds max_model_len ({max_len})")
-        if len(prompt_token_ids) + params.max_tokens > max_len:
-            raise ValueError(
-                f"prompt ({len(prompt_token_ids)} tokens) plus max_tokens ({params.max_tokens}) "
-                f"exceeds max_model_len ({max_len})"
-            )
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids holds ids outside the vocabulary: {bad[:5]}")
-        reserved = (
-            max_len
-            if self.config.allocation_policy == "contiguous"
-            else (len(prompt_token_ids) + params.max_tokens)
-        )
-        blocks = -(-reserved // self.config.block_size)
-        if blocks > self.num_blocks:
-            raise ValueError(
-                f"the request needs {blocks} KV blocks but the cache holds only {self.num_blocks}"
-            )
-
-    def add_request(
+    def make_request(
         self,
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
-    ) -> str:
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._groups:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        self.validate(prompt_token_ids, params)
-        group = _Group(request_id, params, list(prompt_token_ids), cache_salt)
+    ) -> Request:
+        """A validated request: ValueError naming the problem if it could never run."""
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        max_len = self.config.max_model_len
+        if params.max_tokens > max_len:
+            raise ValueError(f"max_tokens ({params.max_tokens}) exceeds max_model_len ({max_len})")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids holds ids outside the vocabulary [0, {self.vocab_size}): "
+                f"{bad[:5]}"
+            )
         request = Request(
-            request_id=request_id,
+            request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=params,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             cache_salt=cache_salt,
         )
+        self.scheduler.check_fits(request)
+        return request
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int] | Request,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request (token ids and params, or one made by `make_request`)."""
+        if isinstance(prompt_token_ids, Request):
+            request = prompt_token_ids
+        else:
+            request = self.make_request(
+                prompt_token_ids, params, request_id, cache_salt, arrival_time
+            )
+        request_id, params = request.request_id, request.sampling_params
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        group = _Group(request_id, params, request.prompt_token_ids, request.cache_salt)
         self.scheduler.add_request(request)
         group.samples[0] = self._new_sample(request, group, 0)
         self._groups[request_id] = group
@@ -343,7 +347,9 @@ class LLMEngine:
         sample = group.samples[index]
         req, params = sample.request, group.params
         token = req.output_token_ids[-1]
-        new_text = sample.detokenizer.add(token)
+        new_text = sample.detokenizer.add_token(token)
+        if req.status.is_finished:  # the last token: release any held partial character
+            new_text += sample.detokenizer.flush()
         sample.text += new_text
         reason, sample.text = sample.stop.check(token, sample.text, len(new_text))
         logprobs = None
@@ -373,6 +379,20 @@ class LLMEngine:
         sample.emitted = len(sample.text)
         group.finished.add(index)
         return self._delta(group, index, token_ids, text, logprobs, reason)
+
+    def _delta(self, group, index, token_ids, text, logprobs, reason) -> CompletionDelta:
+        req = group.samples[index].request
+        return CompletionDelta(
+            request_id=group.request_id,
+            index=index,
+            token_ids=token_ids,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=reason,
+            prompt_tokens=len(group.prompt_token_ids),
+            completion_tokens=req.num_output_tokens,
+            cached_tokens=req.num_cached_tokens,
+        )
 
     def _forget_if_done(self, group: _Group, force: bool = False) -> None:
         if force or len(group.finished) == group.params.n:
@@ -476,12 +496,11 @@ class AsyncLLMEngine:
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self.engine.validate(prompt_token_ids, params)  # pure checks: safe beside a step
+        # Validation reads only immutable engine state: safe beside a running step.
+        request = self.engine.make_request(prompt_token_ids, params, request_id, cache_salt)
         stream = RequestStream(self, request_id, params.n)
         self._streams[request_id] = stream
-        self._submit(
-            "add", (list(prompt_token_ids), params, request_id, cache_salt, time.monotonic())
-        )
+        self._submit("add", (request,))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -505,8 +524,9 @@ class AsyncLLMEngine:
                 try:
                     self.engine.add_request(*args)
                 except ValueError as exc:  # validated already; a race is reported, not raised
-                    log.warning("request %s refused: %s", args[2], exc)
-                    deltas.append(CompletionDelta(args[2], 0, [], "", None, "abort", 0, 0, 0))
+                    request_id = args[0].request_id
+                    log.warning("request %s refused: %s", request_id, exc)
+                    deltas.append(CompletionDelta(request_id, 0, [], "", None, "abort", 0, 0, 0))
             else:
                 deltas.extend(self.engine.abort(*args))
         if self.engine.has_unfinished():

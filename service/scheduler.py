@@ -81,12 +81,13 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request; ValueError if it could never run."""
-        self._check_fits(request)
+        self.check_fits(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def _check_fits(self, request: Request) -> None:
+    def check_fits(self, request: Request) -> None:
+        """ValueError naming the reason if the request could never run here."""
         rid = request.request_id
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
@@ -214,7 +215,7 @@ class Scheduler:
         max_tokens outputs has nothing to compute and finishes at once (reported with
         the next step's finished requests), even if its parent has just finished too.
         """
-        self._check_fits(child)
+        self.check_fits(child)
         if child.parent_id is None:
             child.parent_id = parent.request_id
         if child.num_output_tokens >= child.sampling_params.max_tokens:

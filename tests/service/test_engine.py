@@ -32,6 +32,8 @@ def hf_reference():
     path = ensure_default_model()
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # ignore_eos means "do not stop at EOS", not "never pick EOS": run to the length limit.
+    model.generation_config.eos_token_id = None
     cache: dict[tuple[int, ...], list[int]] = {}
 
     def generate(prompt_ids: list[int]) -> list[int]:
@@ -42,7 +44,6 @@ def hf_reference():
                     torch.tensor([prompt_ids]),
                     attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
                     max_new_tokens=NEW_TOKENS,
-                    min_new_tokens=NEW_TOKENS,
                     do_sample=False,
                     pad_token_id=tok.eos_token_id,
                 )
