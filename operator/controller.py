@@ -89,6 +89,11 @@ class Controller:
     _locks: dict[tuple[str, str], asyncio.Lock] = field(
         default_factory=lambda: defaultdict(asyncio.Lock)
     )
+    closed: bool = False  # the operator is exiting: daemons kopf still starts must not run
+
+    async def close(self) -> None:
+        self.closed = True
+        await self.kube.close()
 
     # -- reconciliation ---------------------------------------------------------------
 
@@ -184,10 +189,9 @@ class Controller:
                 update = dict(compute(body))
                 if not st.changed(body.get("status") or {}, update):
                     return
-                patch = {
-                    "metadata": {"resourceVersion": body["metadata"].get("resourceVersion")},
-                    "status": update,
-                }
+                patch: dict[str, Any] = {"status": update}
+                if body["metadata"].get("resourceVersion"):
+                    patch["metadata"] = {"resourceVersion": body["metadata"]["resourceVersion"]}
                 try:
                     await self.kube.patch(API_VERSION, KIND, ns, name, patch, subresource="status")
                     return
@@ -204,7 +208,7 @@ class Controller:
         live view of the object, so spec changes apply from the next period on."""
         ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
         history: History | None = None
-        while not stopped:
+        while not stopped and not self.closed:
             policy = parse_spec(body.get("spec") or {}).autoscaling
             if policy is None:
                 return
@@ -227,8 +231,8 @@ class Controller:
         """One sync period: scrape, decide, scale, report. Returns the history to keep."""
         body = await self.kube.get(API_VERSION, KIND, ns, name)
         deployment = await self.kube.get("apps/v1", "Deployment", ns, name)
-        if body is None or deployment is None:
-            return history  # nothing to scale yet, or being recreated
+        if body is None or deployment is None or validation_errors(body):
+            return history  # nothing to scale (yet), or a spec the reconciler refused
         current = int(deployment.get("spec", {}).get("replicas", 1))
         now = self._now()
         if history is None:

@@ -30,7 +30,7 @@ async def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
 
 @kopf.on.cleanup()
 async def disconnect(memo: kopf.Memo, **_: Any) -> None:
-    await memo.controller.kube.close()
+    await memo.controller.close()
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)

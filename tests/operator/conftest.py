@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import threading
 from collections.abc import AsyncIterator
 
 import kmock
@@ -66,8 +66,12 @@ async def kubelet(cluster, fake_pods) -> AsyncIterator[Kubelet]:
 
 
 @pytest_asyncio.fixture
-async def operator(cluster) -> AsyncIterator[asyncio.Task]:
-    """`pagedinfer operator --namespace ns1 --standalone`, in this event loop."""
+async def operator(cluster) -> AsyncIterator[threading.Thread]:
+    """`pagedinfer operator --namespace ns1 --standalone`, in a thread of its own.
+
+    kopf treats every task of its event loop that it did not start as hung when it
+    stops, so it gets a loop of its own, away from the test's and the emulator's.
+    """
     import kopf
 
     import pagedinfer.operator.handlers  # noqa: F401  (registers the handlers)
@@ -79,10 +83,20 @@ async def operator(cluster) -> AsyncIterator[asyncio.Task]:
     kwargs = main.kopf_kwargs(args)
     kwargs["settings"].scanning.disabled = True  # no CRD or namespace discovery
     kwargs["memo"].options.retry_delay = 0.5
-    stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(kopf.operator(stop_flag=stop, ready_flag=ready, **kwargs))
-    await asyncio.wait_for(ready.wait(), 10)
-    yield task
+    stop, ready = threading.Event(), threading.Event()
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(kopf.operator(stop_flag=stop, ready_flag=ready, **kwargs))
+        except BaseException as exc:
+            failures.append(exc)
+
+    thread = threading.Thread(target=run, name="operator", daemon=True)
+    thread.start()
+    assert await asyncio.to_thread(ready.wait, 10), "the operator did not start"
+    yield thread
     stop.set()
-    with contextlib.suppress(asyncio.CancelledError):  # kopf's way of finishing
-        await asyncio.wait_for(task, 20)
+    await asyncio.to_thread(thread.join, 20)
+    assert not thread.is_alive(), "the operator did not stop"
+    assert not failures, failures
