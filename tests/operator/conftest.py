@@ -10,11 +10,9 @@ from collections.abc import AsyncIterator
 import kmock
 import pytest
 import pytest_asyncio
-from operator_fakes import Cluster, FakePods, Kubelet
+from operator_fakes import NAMESPACE, Cluster, FakePods, Kubelet
 
 from pagedinfer.operator.spec import GROUP, KIND, PLURAL, VERSION
-
-NAMESPACE = "ns1"
 
 
 @pytest_asyncio.fixture

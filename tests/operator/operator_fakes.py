@@ -13,6 +13,8 @@ from typing import Any
 import kmock
 from aiohttp import web
 
+NAMESPACE = "ns1"  # where the end-to-end tests' operator watches
+
 
 class FakePod:
     """One pod's metrics endpoint; the test sets what it answers.

@@ -15,7 +15,7 @@ from typing import Any
 
 import kmock
 import pytest
-from conftest import NAMESPACE as NS
+from operator_fakes import NAMESPACE as NS
 
 from pagedinfer.operator.spec import GROUP, KIND, PLURAL, VERSION
 
