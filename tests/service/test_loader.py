@@ -61,8 +61,9 @@ def test_default_model_config(default_model: loader.LoadedModel) -> None:
     assert config.eos_token_ids == [default_model.tokenizer.convert_tokens_to_ids("<|im_end|>")]
     assert config.name == loader.DEFAULT_MODEL_NAME
     params = dict(default_model.model.named_parameters())
-    assert params["layers.0.self_attn.qkv_proj.weight"].shape == (9 * 64 + 2 * 3 * 64, 576)
-    assert params["layers.0.mlp.gate_up_proj.weight"].shape == (2 * 1536, 576)
+    # Fused projections, stored [in_features, out_features].
+    assert params["layers.0.self_attn.qkv_proj.weight"].shape == (576, 9 * 64 + 2 * 3 * 64)
+    assert params["layers.0.mlp.gate_up_proj.weight"].shape == (576, 2 * 1536)
     assert all(p.dtype == torch.float32 and p.device == CPU for p in params.values())
 
 
@@ -176,7 +177,9 @@ def test_bfloat16_load(make_tiny_model: Callable[..., Path]) -> None:
     assert all(p.dtype == torch.bfloat16 for p in loaded.model.parameters())
 
 
-def test_sliding_window_shorter_than_context_is_refused(make_tiny_model: Callable[..., Path]) -> None:
+def test_sliding_window_shorter_than_context_is_refused(
+    make_tiny_model: Callable[..., Path],
+) -> None:
     path = make_tiny_model("mistral", sliding_window=256)
     with pytest.raises(ValueError, match=r"sliding_window=256 is shorter than .* 512"):
         load_model(str(path), CPU, torch.float32)
