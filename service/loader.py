@@ -196,7 +196,10 @@ def load_model(
     else:
         path = Path(model).expanduser()
         if not path.exists():
-            raise ValueError(f"model path not found: {path}")
+            raise ValueError(
+                f"model path not found: {path} (give a local Hugging Face directory or a "
+                ".gguf file; nothing is downloaded)"
+            )
         if path.is_file():
             if path.suffix != ".gguf":
                 raise ValueError(

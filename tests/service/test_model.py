@@ -99,10 +99,13 @@ def test_default_model_logits_match_transformers(
     default_model: LoadedModel, default_model_dir: Path, default_tokens: list[list[int]]
 ) -> None:
     ours = our_logits(default_model, default_tokens)
-    assert_close(ours, hf_logits(default_model_dir, default_tokens), atol=1e-3)
-    # Same greedy next token everywhere, not just close numbers.
-    theirs = hf_logits(default_model_dir, default_tokens[:1])
-    assert torch.equal(ours[0].argmax(-1), theirs[0].argmax(-1))
+    theirs = hf_logits(default_model_dir, default_tokens)
+    assert_close(ours, theirs, atol=1e-3)
+    # Same greedy next token wherever the choice is not a near-tie.
+    for a, b in zip(ours, theirs, strict=True):
+        top2 = b.topk(2, dim=-1).values
+        clear = top2[:, 0] - top2[:, 1] > 1e-2
+        assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
 
 
 def test_chunked_prefill_and_decode_equal_one_shot(
