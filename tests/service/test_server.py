@@ -111,6 +111,9 @@ def start_server(directory: Path, *extra: str, token: str | None = None,
     log = directory / "server.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_EXPORTER_OTLP")}
     env.pop("PAGEDINFER_AUTH_TOKEN", None)
+    # One intra-op thread: these tests check behaviour, not speed, and on a shared CPU
+    # OpenMP threads that spin-wait for each other slow every step down tenfold.
+    env["OMP_NUM_THREADS"] = "1"
     args = [sys.executable, "-m", "pagedinfer.service.cli", "serve", "--host", "127.0.0.1",
             "--port", str(port), "--metrics-port", str(metrics_port),
             "--kv-cache-memory", KV_CACHE, *extra]  # fmt: skip
@@ -167,11 +170,11 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def strict_server(tmp_path_factory):
-    """TLS, a bearer token, one running sequence, a waiting queue of one and a 10 s grace
+    """TLS, a bearer token, one running sequence, a waiting queue of one and a 5 s grace
     period; the last test stops it with SIGTERM."""
     directory = tmp_path_factory.mktemp("strict")
     server = start_server(directory, "--max-num-seqs", "1", "--max-queue", "1",
-                          "--grace-period", "10", token=TOKEN,
+                          "--grace-period", "5", token=TOKEN,
                           tls=make_certificate(directory))  # fmt: skip
     yield server
     stop_server(server)
@@ -275,7 +278,7 @@ def test_sixteen_concurrent_requests_complete_while_metrics_move(server):
     def scrape() -> None:
         while not done.is_set():
             samples.append(server.metrics())
-            time.sleep(0.1)
+            time.sleep(0.05)
 
     def one(i: int) -> list:  # distinct first tokens: no prompt blocks are shared
         return collect(server.generate(prompt=f"{i}: {prompt}",
@@ -496,7 +499,7 @@ def test_full_waiting_queue_is_resource_exhausted(strict_server):
 
 @pytest.mark.timeout(180)
 def test_sigterm_lets_running_requests_finish_and_aborts_the_rest(strict_server):
-    """Runs last: it stops the strict server (one sequence at a time, grace period 10 s)."""
+    """Runs last: it stops the strict server (one sequence at a time, grace period 5 s)."""
     server = strict_server
     server.wait_all_blocks_free()
     short = server.generate(prompt="Short:", sampling=greedy(8, ignore_eos=True))
