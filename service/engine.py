@@ -483,8 +483,9 @@ class AsyncLLMEngine:
 
     async def warmup(self) -> None:
         stream = self.add_request([0, 1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
-        async for _ in stream:
-            pass
+        async for delta in stream:
+            if delta.finish_reason == "abort":
+                raise RuntimeError("warmup request was aborted: the engine cannot step")
 
     def add_request(
         self,

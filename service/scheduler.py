@@ -104,7 +104,8 @@ class Scheduler:
         needed = self.kv_cache.num_blocks_for(total - 1)
         if needed > self.kv_cache.num_blocks:
             raise ValueError(
-                f"request {rid}: needs {needed} KV blocks, more than the whole cache "
+                f"request {rid}: prompt plus max_tokens ({total} tokens) needs {needed} KV "
+                f"blocks, more than the whole cache "
                 f"({self.kv_cache.num_blocks} blocks of {self.config.block_size} tokens)"
             )
 
