@@ -4,6 +4,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
+# Tests start several processes (servers, operators) side by side on few cores: one
+# torch thread each avoids OpenMP oversubscription, which slows every process down.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 ruff check .
 ruff format --check .
 # The Triton kernels run in Triton's interpreter; it must be on before they are defined,
