@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from pagedinfer.service.metrics import Telemetry, create_telemetry, otlp_enabled
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
+DOC = Path(__file__).resolve().parents[2] / "README.md"  # its Metrics table
 
 
 def engine_stats(**overrides):
