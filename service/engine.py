@@ -114,13 +114,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.device = resolve_device(config)
         dtype = resolve_dtype(config, self.device)
-        loaded = load_model(config.model, self.device, dtype)
-        limit = loaded.config.max_position_embeddings
-        if config.max_model_len > limit:
-            raise ValueError(
-                f"max_model_len ({config.max_model_len}) exceeds the model's "
-                f"max_position_embeddings ({limit})"
-            )
+        loaded = load_model(config.model, self.device, dtype, max_model_len=config.max_model_len)
         self.config = config
         self.model_config = loaded.config
         self.model_name = loaded.config.name

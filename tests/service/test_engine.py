@@ -131,7 +131,8 @@ def test_n_samples_fork_and_share_prompt_blocks(llm):
 
 
 def test_n_samples_return_n_outputs(llm):
-    out = llm.generate("Tell me a colour:", SamplingParams(max_tokens=6, temperature=1.0, n=3))
+    params = SamplingParams(max_tokens=6, temperature=1.0, n=3, ignore_eos=True)
+    out = llm.generate("Tell me a colour:", params)
     assert [o.index for o in out[0].outputs] == [0, 1, 2]
     assert all(len(o.token_ids) == 6 and o.finish_reason == "length" for o in out[0].outputs)
 
