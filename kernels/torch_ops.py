@@ -1,8 +1,8 @@
 """Vectorised torch path for CPU: the backend the model uses when it runs without a GPU.
 
 No Python loop per token or block. Sequences are grouped so that padding stays cheap:
-decodes (one new token) apart from prefills, and lengths in power-of-two buckets (a
-batch of decodes with contexts from 50 to 2000 tokens is not all padded to 2000). Each
+decodes (one new token) apart from prefills, and lengths in geometric buckets (a batch
+of decodes with contexts from 50 to 2000 tokens is not all padded to 2000). Each
 group gathers its K/V blocks through the block tables in one `index_select`, pads to
 the group's longest context, zeroes the padding (unwritten slots may hold NaN, and a
 -inf score does not stop 0 * NaN), and runs one batched scaled_dot_product_attention:
@@ -12,12 +12,17 @@ the group's longest context, zeroes the padding (unwritten slots may hold NaN, a
   the last positions of the context), or is_causal when no sequence has earlier
   context (a fresh prompt), which lets the kernel skip the masked half.
 Arithmetic is fp32 (bf16/fp16 matmuls are slow on CPU); the output takes query's dtype.
+
+The bookkeeping (groups, gather indices, padding, masks) depends only on the batch, not
+on the layer: `plan_attention` computes it once, and a model passes the plan to every
+layer's call. Without a plan, each call makes its own.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,10 +40,118 @@ def write_kv(
     keep = slots >= 0
     if not bool(keep.all()):
         slots, key, value = slots[keep], key[keep], value[keep]
+    # Token rows of the cache viewed as [num_slots, kv_heads * head_dim]: one index_copy_
+    # each, cheaper than advanced indexing with (block, offset) pairs.
+    if k_cache.is_contiguous() and v_cache.is_contiguous():
+        rows, width = k_cache.shape[0] * k_cache.shape[1], k_cache.shape[2] * k_cache.shape[3]
+        k_cache.view(rows, width).index_copy_(0, slots, key.reshape(-1, width))
+        v_cache.view(rows, width).index_copy_(0, slots, value.reshape(-1, width))
+        return
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
     k_cache[blocks, offsets] = key
     v_cache[blocks, offsets] = value
+
+
+@dataclass
+class _Group:
+    """Sequences that run as one padded SDPA call, and the indices that get them there."""
+
+    num_seqs: int
+    max_new: int  # query rows per sequence (1 for decodes)
+    ctx: int  # padded context: whole blocks
+    table: torch.Tensor  # int64 [num_seqs * ctx / block_size], block ids (unused -> 0)
+    unused_blocks: torch.Tensor  # int64, rows of the gathered [seqs * blocks] past the end
+    tail_rows: torch.Tensor  # int64, token rows of the gathered [seqs * ctx] past the end
+    query_rows: torch.Tensor  # int64 [num_seqs * max_new], query row of each (0 = padding)
+    out_rows: torch.Tensor  # int64, query rows of the valid entries, in order
+    valid: torch.Tensor | None  # int64, which of the num_seqs * max_new entries are real
+    mask: torch.Tensor | None  # fp32 additive mask, or None with is_causal
+    decode: bool
+
+
+@dataclass
+class AttentionPlan:
+    """The per-batch bookkeeping of `paged_attention`, shared by every layer's call."""
+
+    groups: list[_Group]
+    block_size: int
+
+
+def plan_attention(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    block_size: int,
+) -> AttentionPlan:
+    """Group the sequences and build every index and mask the layers will need."""
+    starts = query_start_loc.long()
+    seq_lens = seq_lens.long()
+    query_lens = starts[1:] - starts[:-1]
+    groups = [
+        _plan_group(seq_ids, block_tables, seq_lens, query_lens, starts, block_size)
+        for seq_ids in _length_groups(query_lens, seq_lens)
+    ]
+    return AttentionPlan(groups, block_size)
+
+
+def _plan_group(
+    seq_ids: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    starts: torch.Tensor,
+    block_size: int,
+) -> _Group:
+    device = seq_lens.device
+    lens, qlens = seq_lens[seq_ids], query_lens[seq_ids]
+    num_seqs = lens.shape[0]
+    num_blocks = (int(lens.max()) + block_size - 1) // block_size
+    ctx = num_blocks * block_size
+    # Whole blocks in one gather. Table entries past a sequence's end may hold anything,
+    # so they are redirected to block 0, whose copies are then zeroed.
+    table = block_tables[seq_ids, :num_blocks].long()
+    used = torch.arange(num_blocks, device=device)[None, :] * block_size < lens[:, None]
+    table = torch.where(used, table, 0).flatten()
+    unused_blocks = (~used).flatten().nonzero().flatten()
+    # The unwritten end of each sequence's last block.
+    last_block_end = (lens + block_size - 1) // block_size * block_size
+    position = torch.arange(ctx, device=device)[None, :]
+    tail = (position >= lens[:, None]) & (position < last_block_end[:, None])
+    tail_rows = tail.flatten().nonzero().flatten()
+    # query_rows[s, i]: the query row of new token i of sequence s (0 where s has fewer).
+    max_new = int(qlens.max())
+    offsets = torch.arange(max_new, device=device)
+    valid = offsets[None, :] < qlens[:, None]
+    query_rows = torch.where(valid, starts[seq_ids][:, None] + offsets, 0).flatten()
+    all_valid = bool(valid.all())
+    valid_index = None if all_valid else valid.flatten().nonzero().flatten()
+    out_rows = query_rows if all_valid else query_rows[valid_index]
+    decode = max_new == 1
+    if decode:
+        visible = (position < lens[:, None])[:, None, None, :]
+    elif bool((qlens == lens).all()):
+        visible = None  # fresh prompts: is_causal
+    else:
+        # New token i of a sequence sits at position len - qlen + i.
+        query_pos = (lens - qlens)[:, None] + offsets
+        visible = (position[:, None, :] <= query_pos[:, :, None])[:, None]
+    mask = None
+    if visible is not None:
+        mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
+    return _Group(
+        num_seqs=num_seqs,
+        max_new=max_new,
+        ctx=ctx,
+        table=table,
+        unused_blocks=unused_blocks,
+        tail_rows=tail_rows,
+        query_rows=query_rows,
+        out_rows=out_rows,
+        valid=valid_index,
+        mask=mask,
+        decode=decode,
+    )
 
 
 def paged_attention(
@@ -50,87 +163,81 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
-    """Attention of the packed new tokens over their paged contexts (see the package doc)."""
+    """Attention of the packed new tokens over their paged contexts (see the package doc).
+
+    plan: from `plan_attention` on the same block_tables, seq_lens and query_start_loc;
+    made here when not given.
+    """
     if out is None:
         out = torch.empty_like(query)
     if query.shape[0] == 0:
         return out
-    starts = query_start_loc.long()
-    seq_lens = seq_lens.long()
-    query_lens = starts[1:] - starts[:-1]
-    for seq_ids in _length_groups(query_lens, seq_lens):
-        lens, qlens = seq_lens[seq_ids], query_lens[seq_ids]
-        key, value = _gather_context(k_cache, v_cache, block_tables[seq_ids], lens)
-        # tokens[s, i]: the query row of new token i of sequence s (0 where s has fewer).
-        offsets = torch.arange(int(qlens.max()), device=lens.device)
-        valid = offsets[None, :] < qlens[:, None]
-        tokens = torch.where(valid, starts[seq_ids][:, None] + offsets, 0)
-        q = query[tokens].float()  # [seqs, max_new, heads, head_dim]
-        if offsets.numel() == 1:
-            o = _decode(q, key, value, lens, scale)
+    if plan is None:
+        plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    for g in plan.groups:
+        key, value = _gather_context(k_cache, v_cache, g)
+        q = query.index_select(0, g.query_rows).float()
+        q = q.view(g.num_seqs, g.max_new, num_heads, head_dim)
+        if g.decode:
+            o = _decode(q, key, value, g.mask, scale)
         else:
-            o = _prefill(q, key, value, lens, qlens, scale)
-        out[tokens[valid]] = o[valid].to(out.dtype)
+            o = _prefill(q, key, value, g.mask, scale)
+        o = o.reshape(g.num_seqs * g.max_new, num_heads, head_dim)
+        if g.valid is not None:
+            o = o.index_select(0, g.valid)
+        out.index_copy_(0, g.out_rows, o.to(out.dtype))
     return out
 
 
 def _length_groups(query_lens: torch.Tensor, seq_lens: torch.Tensor) -> list[torch.Tensor]:
     """Sequence ids in groups that pad cheaply: decodes apart from prefills, and within
-    each, lengths in the same power-of-two bucket, so padding to the group's longest
-    at most doubles the work. Short lengths share one bucket: a group costs a few
-    hundred microseconds of fixed overhead. Sequences with no new tokens are dropped.
+    each, context lengths in the same geometric bucket (ratio 1.25), so padding to the
+    group's longest adds at most a quarter to the gather and the attention, which cost
+    in proportion to it. Short contexts share one bucket: a group has a fixed cost of a
+    few small ops. Sequences with no new tokens are dropped.
     """
-    context_bucket = _log2_bucket(seq_lens, smallest=256)
-    query_bucket = torch.where(query_lens == 1, 0, _log2_bucket(query_lens, smallest=64))
-    key = torch.where(query_lens > 0, query_bucket * 64 + context_bucket, -1)
+    context_bucket = _log_bucket(seq_lens, smallest=64, ratio=1.25)
+    query_bucket = torch.where(query_lens == 1, 0, _log_bucket(query_lens, smallest=64, ratio=2))
+    key = torch.where(query_lens > 0, query_bucket * 1024 + context_bucket, -1)
     return [(key == k).nonzero().flatten() for k in key.unique().tolist() if k >= 0]
 
 
-def _log2_bucket(lengths: torch.Tensor, smallest: int) -> torch.Tensor:
-    """ceil(log2(length)), with every length up to `smallest` in one bucket."""
-    return torch.log2(lengths.clamp(min=smallest).double()).ceil().long()
+def _log_bucket(lengths: torch.Tensor, smallest: int, ratio: float) -> torch.Tensor:
+    """ceil(log_ratio(length)), with every length up to `smallest` in one bucket."""
+    return (torch.log(lengths.clamp(min=smallest).double()) / math.log(ratio)).ceil().long()
 
 
 def _gather_context(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, lens: torch.Tensor
+    k_cache: torch.Tensor, v_cache: torch.Tensor, g: _Group
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of each sequence, fp32 [seqs, ctx, kv_heads, head_dim], zero past its end."""
-    num_seqs = lens.shape[0]
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    num_ctx_blocks = (int(lens.max()) + block_size - 1) // block_size
-    ctx = num_ctx_blocks * block_size
-    # Whole blocks in one gather. Table entries past a sequence's end may hold anything,
-    # so they are redirected to block 0, whose rows are then zeroed with the padding.
-    table = block_tables[:, :num_ctx_blocks].long()
-    used = torch.arange(num_ctx_blocks, device=lens.device)[None, :] * block_size < lens[:, None]
-    table = torch.where(used, table, 0).flatten()
-    key = _gather_blocks(k_cache, table, "key").view(num_seqs * ctx, -1)
-    value = _gather_blocks(v_cache, table, "value").view(num_seqs * ctx, -1)
-    padding = (
-        (torch.arange(ctx, device=lens.device)[None, :] >= lens[:, None])
-        .flatten()
-        .nonzero()
-        .flatten()
-    )
-    key.index_fill_(0, padding, 0.0)
-    value.index_fill_(0, padding, 0.0)
-    shape = (num_seqs, ctx, num_kv_heads, head_dim)
-    return key.view(shape), value.view(shape)
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    shape = (g.num_seqs, g.ctx, num_kv_heads, head_dim)
+    gathered = []
+    for cache, name in ((k_cache, "key"), (v_cache, "value")):
+        blocks = _gather_blocks(cache, g.table, name)
+        if g.unused_blocks.numel():
+            blocks.view(g.table.numel(), -1).index_fill_(0, g.unused_blocks, 0.0)
+        if g.tail_rows.numel():
+            blocks.view(g.num_seqs * g.ctx, -1).index_fill_(0, g.tail_rows, 0.0)
+        gathered.append(blocks.view(shape))
+    return gathered[0], gathered[1]
 
 
 def _decode(
-    q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lens: torch.Tensor, scale: float
+    q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """q [seqs, 1, heads, head_dim] -> the same shape."""
     num_seqs, _, num_heads, head_dim = q.shape
-    ctx, num_kv_heads = key.shape[1], key.shape[2]
+    num_kv_heads = key.shape[2]
     # The group's heads become the query rows of their KV head: K/V are read once per
     # KV head. (SDPA's enable_gqa reads them once per query head: slower here.)
     q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    visible = (torch.arange(ctx, device=lens.device)[None, :] < lens[:, None])[:, None, None, :]
     o = F.scaled_dot_product_attention(
-        q, key.transpose(1, 2), value.transpose(1, 2), attn_mask=visible, scale=scale
+        q, key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask, scale=scale
     )
     return o.reshape(num_seqs, 1, num_heads, head_dim)
 
@@ -139,28 +246,15 @@ def _prefill(
     q: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    lens: torch.Tensor,
-    qlens: torch.Tensor,
+    mask: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
-    """q [seqs, max_new, heads, head_dim] -> the same shape."""
-    ctx = key.shape[1]
+    """q [seqs, max_new, heads, head_dim] -> the same shape. mask None: fresh prompts,
+    new token i sees positions <= i (padding rows see zeroed K/V and are discarded)."""
     q, key, value = q.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    if bool((qlens == lens).all()):
-        # Fresh prompts: new token i sees positions <= i. Padding rows (i >= qlen) see
-        # zeroed K/V and are discarded.
-        o = F.scaled_dot_product_attention(
-            q, key, value, is_causal=True, scale=scale, enable_gqa=True
-        )
-    else:
-        # New token i of a sequence sits at position len - qlen + i.
-        positions = (lens - qlens)[:, None] + torch.arange(q.shape[2], device=lens.device)
-        visible = (torch.arange(ctx, device=lens.device)[None, None, :] <= positions[:, :, None])[
-            :, None
-        ]
-        o = F.scaled_dot_product_attention(
-            q, key, value, attn_mask=visible, scale=scale, enable_gqa=True
-        )
+    o = F.scaled_dot_product_attention(
+        q, key, value, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+    )
     return o.transpose(1, 2)
 
 

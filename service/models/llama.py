@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedinfer import kernels
+from pagedinfer.kernels import torch_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -76,6 +77,16 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
+    # The CPU kernel's grouping, indices and masks: the same for every layer, so they
+    # are built by the first layer's call and reused by the others.
+    cpu_plan: torch_ops.AttentionPlan | None = None
+
+    def torch_plan(self, block_size: int) -> torch_ops.AttentionPlan:
+        if self.cpu_plan is None or self.cpu_plan.block_size != block_size:
+            self.cpu_plan = torch_ops.plan_attention(
+                self.block_tables, self.seq_lens, self.query_start_loc, block_size
+            )
+        return self.cpu_plan
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -252,18 +263,33 @@ class Attention(nn.Module):
             num_tokens, self.num_kv_heads, self.head_dim
         )
         k_cache, v_cache = kv_cache
-        # The model runner validated the metadata; skip the per-layer value checks.
-        kernels.write_kv(key, value, k_cache, v_cache, attn.slot_mapping, check_values=False)
-        out = kernels.paged_attention(
-            query,
-            k_cache,
-            v_cache,
-            attn.block_tables,
-            attn.seq_lens,
-            attn.query_start_loc,
-            self.scale,
-            check_values=False,
-        )
+        if kernels.use_triton(k_cache):
+            # The model runner validated the metadata; skip the per-layer value checks.
+            kernels.write_kv(key, value, k_cache, v_cache, attn.slot_mapping, check_values=False)
+            out = kernels.paged_attention(
+                query,
+                k_cache,
+                v_cache,
+                attn.block_tables,
+                attn.seq_lens,
+                attn.query_start_loc,
+                self.scale,
+                check_values=False,
+            )
+        else:
+            # CPU: the torch path directly, with the batch's plan shared by all layers
+            # (the argument checks read only metadata the model runner built).
+            torch_ops.write_kv(key, value, k_cache, v_cache, attn.slot_mapping)
+            out = torch_ops.paged_attention(
+                query,
+                k_cache,
+                v_cache,
+                attn.block_tables,
+                attn.seq_lens,
+                attn.query_start_loc,
+                self.scale,
+                plan=attn.torch_plan(k_cache.shape[1]),
+            )
         self.o_proj.add_into(residual, out.view(num_tokens, self.q_size))
 
 
