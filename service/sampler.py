@@ -149,7 +149,11 @@ def apply_penalties(
         r = per_position(repetition, seen)
         seen = seen.to(device)
         values = flat.index_select(0, seen)
-        flat.index_copy_(0, seen, torch.where(values > 0, values / r, values * r))
+        penalised_values = torch.where(values > 0, values / r, values * r)
+        # An extreme penalty (say 1e-38) overflows to inf, and a softmax over several
+        # infs is NaN: keep every logit finite so the distribution stays defined.
+        finfo = torch.finfo(flat.dtype)
+        flat.index_copy_(0, seen, penalised_values.clamp_(finfo.min, finfo.max))
     if outputs.numel() == 0:
         return
     frequency = [p.frequency_penalty for p in params]
