@@ -80,6 +80,15 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
+def _byte_size_flag(text: str) -> int:
+    import argparse
+
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_engine_arguments(parser) -> None:
     """The flags of every EngineConfig field, shared by `serve` and `generate`."""
     d = EngineConfig()
@@ -100,7 +109,7 @@ def add_engine_arguments(parser) -> None:
     )
     g.add_argument(
         "--kv-cache-memory",
-        type=parse_bytes,
+        type=_byte_size_flag,
         default=d.kv_cache_memory,
         help="KV cache budget on CPU, e.g. 2GiB",
     )
