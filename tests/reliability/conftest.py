@@ -1,32 +1,17 @@
 """Fixtures of the reliability suite: two real servers shared by the whole folder, and
-the emulated cluster and operator of the operator tests.
-
-The suite reuses the other folders' helpers rather than copying them: the server
-harness of tests/service/test_server.py, the invariant checker of
-tests/service/test_properties.py, the emulator and fake pods of tests/operator and the
-chart tools of tests/charts. pytest puts each test folder on sys.path when it collects
-it; `reuse` does the same for the folders whose helpers this one imports.
-"""
+the emulated cluster and operator of the operator tests (re-exported, not copied; see
+tests/e2e/suite_reuse.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).resolve().parents[1]
-
-
-def reuse(*folders: str) -> None:
-    """Makes the helper modules of other test folders importable by their plain names."""
-    for folder in folders:
-        path = str(TESTS / folder)
-        if path not in sys.path:
-            sys.path.append(path)
-
+sys.path.append(str(Path(__file__).resolve().parents[1] / "e2e"))
+from suite_reuse import operator_fixtures, reuse
 
 reuse("service", "operator", "charts")
 
@@ -40,22 +25,9 @@ from reliability_servers import (  # noqa: E402
 )
 from test_server import Server, start_server, stop_server  # noqa: E402
 
-
-def _operator_fixtures():
-    """tests/operator/conftest.py, loaded under a name of its own (every folder has a
-    conftest module), so that its fixtures can be re-exported here."""
-    spec = importlib.util.spec_from_file_location(
-        "operator_conftest", TESTS / "operator" / "conftest.py"
-    )
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_ops = _operator_fixtures()
-cluster, operator, kmock_options = _ops.cluster, _ops.operator, _ops.kmock_options
-fake_pods, kubelet = _ops.fake_pods, _ops.kubelet
+_operator = operator_fixtures()
+cluster, operator, kmock_options = _operator.cluster, _operator.operator, _operator.kmock_options
+fake_pods, kubelet = _operator.fake_pods, _operator.kubelet
 
 
 @pytest.fixture(scope="session")
