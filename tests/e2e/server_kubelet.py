@@ -195,10 +195,10 @@ def is_serving(channel: grpc.Channel) -> bool:
 @dataclass
 class Outcome:
     replica: str
+    started_at: float
     code: str  # "OK" or the gRPC status code's name
     finish_reason: int = 0
     completion_tokens: int = 0
-    ended_at: float = field(default_factory=time.monotonic)
 
 
 class LoadGenerator:
@@ -231,6 +231,7 @@ class LoadGenerator:
     def _work(self, worker: int) -> None:
         rng = random.Random(worker)
         while not self._stop.is_set():
+            started_at = time.monotonic()
             targets = self.targets()
             if not targets:
                 time.sleep(0.1)
@@ -243,11 +244,10 @@ class LoadGenerator:
                 sampling=pb.SamplingParams(max_tokens=self.max_tokens, temperature=0.0,
                                            ignore_eos=True),
             )  # fmt: skip
-            stub = replica.server.stub
             try:
-                *_, last = stub.Generate(request, timeout=120)
+                *_, last = replica.server.stub.Generate(request, timeout=120)
             except grpc.RpcError as exc:
-                self.outcomes.append(Outcome(replica.name, exc.code().name))
+                self.outcomes.append(Outcome(replica.name, started_at, exc.code().name))
             else:
-                self.outcomes.append(Outcome(replica.name, "OK", last.finish_reason,
+                self.outcomes.append(Outcome(replica.name, started_at, "OK", last.finish_reason,
                                              last.usage.completion_tokens))  # fmt: skip

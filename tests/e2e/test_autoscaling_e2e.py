@@ -14,6 +14,7 @@ import asyncio
 import json
 import re
 import time
+from collections import Counter
 
 import pytest
 from server_kubelet import LoadGenerator, ServerKubelet
@@ -99,10 +100,11 @@ async def test_scales_up_under_load_and_back_down_when_it_stops(
         # The new replica joins the round robin once its health check passes ...
         await eventually(lambda: len(kubelet.ready) == 2, timeout=STARTUP_S)
         second = next(r for r in kubelet.ready if r is not first)
-        second_ready_s = time.monotonic() - load_started
-        # ... and serves requests.
+        both_ready = time.monotonic()
+        second_ready_s = both_ready - load_started
+        # ... and serves its share of the requests.
         await eventually(
-            lambda: sum(o.replica == second.name for o in load.outcomes) >= 2, timeout=120
+            lambda: sum(o.replica == second.name for o in load.outcomes) >= 4, timeout=120
         )
         decisions = [(e["reason"], e["message"]) for e in events(cluster)]
         assert decisions == [("ScaledUp", up["message"])], "no other decision under load"
@@ -135,6 +137,10 @@ async def test_scales_up_under_load_and_back_down_when_it_stops(
         (o.finish_reason, o.completion_tokens) == (pb.LENGTH, MAX_TOKENS) for o in load.outcomes
     )
     assert not kubelet.errors, kubelet.errors
+    # Round robin: of the requests sent once both replicas were ready, each got half
+    # (give or take a request whose worker picked its turn just as the second joined).
+    shares = Counter(o.replica for o in load.outcomes if o.started_at > both_ready)
+    assert abs(shares[first.name] - shares[second.name]) <= 2, shares
 
     per_replica = {
         name: sum(o.replica == name for o in load.outcomes) for name in (first.name, second.name)
@@ -148,6 +154,7 @@ async def test_scales_up_under_load_and_back_down_when_it_stops(
         "requests": len(load.outcomes),
         "failed": len(failed),
         "requests_per_replica": per_replica,
+        "requests_per_replica_once_both_ready": dict(shares),
         "events": [e["message"] for e in (up, down)],
     }
     print("\nautoscaling end to end:", json.dumps(figures))

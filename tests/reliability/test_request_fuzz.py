@@ -163,10 +163,10 @@ def test_a_tiny_repetition_penalty_is_served_and_harms_no_other_request(
     roomy_server: Server,
 ) -> None:
     """Found by the fuzz above. repetition_penalty=1e-38 passes validation (> 0), but
-    dividing a positive logit by it overflows to inf; the softmax of several infs is
-    NaN, the draw then returns token id 49152 (one past the vocabulary), which is
-    streamed to the client, and the next step's embedding lookup fails. The engine then
-    aborts every request in flight, not only the offending one."""
+    dividing a positive logit by it overflowed to inf; the softmax of several infs was
+    NaN, the draw then returned token id 49152 (one past the vocabulary) to the client,
+    and the next step's embedding lookup failed, upon which the engine aborted every
+    request in flight, not only the offending one."""
     server = roomy_server
     bystander = server.generate(prompt="Count: one, two,", sampling=greedy(8, ignore_eos=True))
     next(bystander)  # running
