@@ -403,7 +403,7 @@ class RequestStream:
         self._engine = engine
         self._queue: asyncio.Queue[CompletionDelta] = asyncio.Queue()
         self._open = n  # samples the consumer has not seen finish
-        self._unfinished = n  # samples the engine has not finished (the loop's count)
+        self._unfinished = set(range(n))  # samples the engine has not finished (loop side)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -519,9 +519,12 @@ class AsyncLLMEngine:
                 try:
                     self.engine.add_request(*args)
                 except ValueError as exc:  # validated already; a race is reported, not raised
-                    request_id = args[0].request_id
-                    log.warning("request %s refused: %s", request_id, exc)
-                    deltas.append(CompletionDelta(request_id, 0, [], "", None, "abort", 0, 0, 0))
+                    request = args[0]
+                    log.warning("request %s refused: %s", request.request_id, exc)
+                    deltas.extend(
+                        CompletionDelta(request.request_id, i, [], "", None, "abort", 0, 0, 0)
+                        for i in range(request.sampling_params.n)
+                    )
             else:
                 deltas.extend(self.engine.abort(*args))
         if self.engine.has_unfinished():
@@ -551,14 +554,14 @@ class AsyncLLMEngine:
             return
         stream._queue.put_nowait(delta)
         if delta.finish_reason is not None:
-            stream._unfinished -= 1
-            if stream._unfinished == 0:
+            stream._unfinished.discard(delta.index)
+            if not stream._unfinished:
                 self._streams.pop(delta.request_id, None)
 
     def _engine_abort_now(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
-            for index in range(stream._unfinished):
+            for index in sorted(stream._unfinished):
                 self._deliver(CompletionDelta(request_id, index, [], "", None, "abort", 0, 0, 0))
         self._submit("abort", (request_id,))
 
