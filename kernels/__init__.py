@@ -66,6 +66,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     *,
     check_values: bool = True,
+    plan: torch_ops.AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of the packed new tokens over their paged contexts; returns out.
 
@@ -80,12 +81,14 @@ def paged_attention(
     h // (num_heads // num_kv_heads). out, if given, has query's shape and dtype.
     check_values=False skips the checks that read the index tensors (a host sync on
     GPU); shape, dtype and device are always checked.
+    plan: for the torch path, `torch_ops.plan_attention` of this batch, so that the
+    layers of one forward share the batch's bookkeeping; the Triton kernels ignore it.
     Raises ValueError naming the argument on bad input.
     """
     check_paged_attention(
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, check_values
     )
-    backend = _triton_ops() if use_triton(query) else torch_ops
-    return backend.paged_attention(
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale), out
-    )
+    args = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale), out)
+    if use_triton(query):
+        return _triton_ops().paged_attention(*args)
+    return torch_ops.paged_attention(*args, plan=plan)

@@ -263,33 +263,21 @@ class Attention(nn.Module):
             num_tokens, self.num_kv_heads, self.head_dim
         )
         k_cache, v_cache = kv_cache
-        if kernels.use_triton(k_cache):
-            # The model runner validated the metadata; skip the per-layer value checks.
-            kernels.write_kv(key, value, k_cache, v_cache, attn.slot_mapping, check_values=False)
-            out = kernels.paged_attention(
-                query,
-                k_cache,
-                v_cache,
-                attn.block_tables,
-                attn.seq_lens,
-                attn.query_start_loc,
-                self.scale,
-                check_values=False,
-            )
-        else:
-            # CPU: the torch path directly, with the batch's plan shared by all layers
-            # (the argument checks read only metadata the model runner built).
-            torch_ops.write_kv(key, value, k_cache, v_cache, attn.slot_mapping)
-            out = torch_ops.paged_attention(
-                query,
-                k_cache,
-                v_cache,
-                attn.block_tables,
-                attn.seq_lens,
-                attn.query_start_loc,
-                self.scale,
-                plan=attn.torch_plan(k_cache.shape[1]),
-            )
+        # The model runner built valid metadata: skip the checks that read index tensors.
+        kernels.write_kv(key, value, k_cache, v_cache, attn.slot_mapping, check_values=False)
+        # On CPU the layers of one forward share the batch's attention plan.
+        plan = None if kernels.use_triton(k_cache) else attn.torch_plan(k_cache.shape[1])
+        out = kernels.paged_attention(
+            query,
+            k_cache,
+            v_cache,
+            attn.block_tables,
+            attn.seq_lens,
+            attn.query_start_loc,
+            self.scale,
+            check_values=False,
+            plan=plan,
+        )
         self.o_proj.add_into(residual, out.view(num_tokens, self.q_size))
 
 
