@@ -89,13 +89,18 @@ def _generate_local(args, params: SamplingParams, messages: list[dict] | None) -
         ids = engine.encode_prompt(prompt=args.prompt)
     engine.add_request(ids, params)
     out = sys.stdout
+    samples: dict[int, list[str]] = {}
     while engine.has_unfinished():
         for delta in engine.step():
-            prefix = f"[{delta.index}] " if params.n > 1 else ""
-            if delta.text:
-                out.write(prefix + delta.text if params.n > 1 else delta.text)
+            if params.n == 1:
+                out.write(delta.text)  # one sample streams as it comes
                 out.flush()
-            if delta.finish_reason is not None and params.n > 1:
-                out.write(f"\n{prefix}<{delta.finish_reason}>\n")
+                continue
+            samples.setdefault(delta.index, []).append(delta.text)
+            if delta.finish_reason is not None:
+                # Several samples print whole, one after another, as each finishes.
+                text = "".join(samples.pop(delta.index))
+                out.write(f"[{delta.index}] {text}\n[{delta.index}: {delta.finish_reason}]\n")
+                out.flush()
     out.write("\n")
     return 0

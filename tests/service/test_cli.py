@@ -62,3 +62,21 @@ def test_unknown_subcommand_fails():
     result = run_cli("fly")
     assert result.returncode == 2
     assert "invalid choice" in result.stderr
+
+
+def test_generate_prints_every_sample_with_its_finish_reason():
+    result = run_cli(
+        "generate", "Name a colour:", "-n", "2", "--temperature", "0.8", "--seed", "1",
+        "--max-tokens", "4", "--ignore-eos", "--max-model-len", "128",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "[0: length]" in result.stdout and "[1: length]" in result.stdout
+
+
+def test_generate_chat_streams_an_answer():
+    result = run_cli(
+        "generate", "What is the capital of France?", "--chat", "--max-tokens", "16",
+        "--max-model-len", "256",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
