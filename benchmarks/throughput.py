@@ -356,7 +356,11 @@ def main(argv: list[str] | None = None) -> int:
     results["ratios"] = ratios
     results["machine"]["load_average_at_end"] = round(os.getloadavg()[0], 2)
     plot(results, timelines, args.plot)
-    results["plot"] = str(args.plot)
+    # Relative to the working directory when possible: no machine paths in saved results.
+    plot_path = args.plot.resolve()
+    results["plot"] = str(
+        plot_path.relative_to(Path.cwd()) if plot_path.is_relative_to(Path.cwd()) else args.plot
+    )
     print(json.dumps(results, indent=None if args.json else 2))
     return 0
 
