@@ -160,13 +160,16 @@ class LLMEngine:
         if messages:
             return self._encode_chat(messages)
         ids = list(prompt_token_ids)
+        self._check_vocabulary(ids)
+        return ids
+
+    def _check_vocabulary(self, ids: Sequence[int]) -> None:
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(
                 f"prompt_token_ids holds ids outside the vocabulary [0, {self.vocab_size}): "
                 f"{bad[:5]}"
             )
-        return ids
 
     def _encode_chat(self, messages: Sequence[dict]) -> list[int]:
         for i, m in enumerate(messages):
@@ -198,12 +201,7 @@ class LLMEngine:
         max_len = self.config.max_model_len
         if params.max_tokens > max_len:
             raise ValueError(f"max_tokens ({params.max_tokens}) exceeds max_model_len ({max_len})")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids holds ids outside the vocabulary [0, {self.vocab_size}): "
-                f"{bad[:5]}"
-            )
+        self._check_vocabulary(prompt_token_ids)
         request = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=list(prompt_token_ids),
@@ -300,7 +298,9 @@ class LLMEngine:
                     )
                 )
                 owners.append((i, req, group, index))
-        logits = model_out.logits[[i for i, *_ in owners]] if owners else model_out.logits
+        logits = model_out.logits
+        if len(owners) != len(model_out.requests):  # forking rows are sampled n times
+            logits = logits[[i for i, *_ in owners]]
         results = self.sampler(logits, rows)
 
         sampled: dict[str, int] = {}
@@ -328,12 +328,10 @@ class LLMEngine:
             cache_salt=group.cache_salt,
         )
         child.parent_id, child.index = parent.request_id, index
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.num_cached_tokens = parent.num_cached_tokens
         child.append_output_token(token)
+        # The scheduler copies the parent's progress, or finishes a child already at
+        # max_tokens.
         self.scheduler.fork_request(parent, child)
-        if child.num_output_tokens >= group.params.max_tokens:
-            self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_LENGTH)
         group.samples[index] = self._new_sample(child, group, index)
         self._owner[child.request_id] = group.request_id
 

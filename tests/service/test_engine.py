@@ -130,11 +130,15 @@ def test_n_samples_fork_and_share_prompt_blocks(llm):
     assert engine.stats().kv.used == 0
 
 
-def test_n_samples_return_n_outputs(llm):
-    params = SamplingParams(max_tokens=6, temperature=1.0, n=3, ignore_eos=True)
+@pytest.mark.parametrize("max_tokens", [1, 6])
+def test_n_samples_return_n_outputs(llm, max_tokens):
+    params = SamplingParams(max_tokens=max_tokens, temperature=1.0, n=3, ignore_eos=True)
     out = llm.generate("Tell me a colour:", params)
     assert [o.index for o in out[0].outputs] == [0, 1, 2]
-    assert all(len(o.token_ids) == 6 and o.finish_reason == "length" for o in out[0].outputs)
+    assert all(
+        len(o.token_ids) == max_tokens and o.finish_reason == "length" for o in out[0].outputs
+    )
+    assert llm.engine.stats().kv.used == 0
 
 
 def test_stop_string_ends_and_trims_output(llm):
