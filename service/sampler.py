@@ -149,11 +149,7 @@ def apply_penalties(
         r = per_position(repetition, seen)
         seen = seen.to(device)
         values = flat.index_select(0, seen)
-        penalised_values = torch.where(values > 0, values / r, values * r)
-        # An extreme penalty (say 1e-38) overflows to inf, and a softmax over several
-        # infs is NaN: keep every logit finite so the distribution stays defined.
-        finfo = torch.finfo(flat.dtype)
-        flat.index_copy_(0, seen, penalised_values.clamp_(finfo.min, finfo.max))
+        flat.index_copy_(0, seen, torch.where(values > 0, values / r, values * r))
     if outputs.numel() == 0:
         return
     frequency = [p.frequency_penalty for p in params]
@@ -187,7 +183,12 @@ def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     """
     device = logits.device
     temperature = _column([p.temperature for p in params], device)
-    probs = (logits / temperature).softmax(dim=-1)
+    scaled = logits / temperature
+    # An extreme penalty or temperature (say repetition_penalty 1e-38) overflows a logit
+    # to inf, and a softmax over several infs is NaN: keep every logit finite so the
+    # distribution stays defined (the largest logits stay the likeliest).
+    finfo = torch.finfo(scaled.dtype)
+    probs = scaled.clamp_(finfo.min, finfo.max).softmax(dim=-1)
     threshold = _top_k_top_p_threshold(probs, params)
     if any(p.min_p > 0.0 for p in params):
         # Relative to the most likely token, so renormalising after top-k/top-p is moot.

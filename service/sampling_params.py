@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_N = 64
+FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 MAX_LOGPROBS = 20
 
 
@@ -32,6 +41,10 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        for name in FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
