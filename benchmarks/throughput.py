@@ -76,9 +76,9 @@ def shared_prefix_workload(
     return Workload(prompts, [out_len] * n)
 
 
-def matmul_gflops(size: int = 2048, repeats: int = 5) -> float:
-    """The fp32 matmul rate of this machine right now: the physical limit for the model."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def matmul_gflops(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
+    """The matmul rate of this machine right now in `dtype`: the physical limit for the model."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     a @ b
     best = float("inf")
     for _ in range(repeats):
@@ -122,8 +122,12 @@ def run_pagedinfer(
     params: int,
     gflops: float,
     engine: LLMEngine | None = None,
+    warmup: Workload | None = None,
 ) -> tuple[dict, list]:
     engine = engine or LLMEngine(config)
+    if warmup is not None:
+        run_pagedinfer("warmup", warmup, config, params, gflops, engine)
+    before = engine.stats()
     start = time.perf_counter()
     first: dict[str, float] = {}
     done: dict[str, float] = {}
@@ -151,17 +155,29 @@ def run_pagedinfer(
     stats = engine.stats()
     extra = {
         "peak_running": peak,
-        "preemptions": stats.num_preemptions,
+        "preemptions": stats.num_preemptions - before.num_preemptions,
         "kv_blocks": stats.kv.total,
         "prefix_cache_hit_rate": round(
-            stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1), 4
+            (stats.prefix_cache_hits - before.prefix_cache_hits)
+            / max(stats.prefix_cache_queries - before.prefix_cache_queries, 1),
+            4,
         ),
     }
     return summarise(name, wl, elapsed, params, gflops, ttfts, tpots, extra), timeline
 
 
-def run_hf_static(wl: Workload, model, params: int, gflops: float, batch: int, pad_id: int) -> dict:
+def run_hf_static(
+    wl: Workload,
+    model,
+    params: int,
+    gflops: float,
+    batch: int,
+    pad_id: int,
+    warmup: Workload | None = None,
+) -> dict:
     """The naive server: fixed batches, left padding, every batch runs to its longest output."""
+    if warmup is not None:
+        run_hf_static(warmup, model, params, gflops, batch, pad_id)
     start = time.perf_counter()
     ttfts: list[float] = []
     order = list(range(len(wl.prompts)))  # arrival order
@@ -197,7 +213,14 @@ def run_hf_static(wl: Workload, model, params: int, gflops: float, batch: int, p
     )
 
 
-def run_hf_continuous(wl: Workload, model, params: int, gflops: float, kv_blocks: int) -> dict:
+def run_hf_continuous(
+    wl: Workload,
+    model,
+    params: int,
+    gflops: float,
+    kv_blocks: int,
+    warmup: Workload | None = None,
+) -> dict:
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -207,18 +230,24 @@ def run_hf_continuous(wl: Workload, model, params: int, gflops: float, kv_blocks
     cb = ContinuousBatchingConfig(num_blocks=kv_blocks, max_batch_tokens=512)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     manager.start()
-    start = time.perf_counter()
-    try:
-        for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens, strict=True)):
-            manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
+
+    def serve(batch: Workload, tag: str) -> float:
+        start = time.perf_counter()
+        for i, (p, n) in enumerate(zip(batch.prompts, batch.output_lens, strict=True)):
+            manager.add_request(p, request_id=f"{tag}{i}", max_new_tokens=n)
         got = 0
-        while got < len(wl.prompts):
+        while got < len(batch.prompts):
             result = manager.get_result(timeout=600)
             if result is None:
                 raise RuntimeError("Hugging Face continuous batching stopped early")
             if result.is_finished():
                 got += 1
-        elapsed = time.perf_counter() - start
+        return time.perf_counter() - start
+
+    try:
+        if warmup is not None:
+            serve(warmup, "warmup")
+        elapsed = serve(wl, "r")
     finally:
         manager.stop(block=True, timeout=30)
     return summarise("hf_continuous", wl, elapsed, params, gflops)
@@ -267,6 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="weights and activations of every system; MFU is against this dtype's matmul rate",
+    )
+    ap.add_argument(
         "--plot", type=Path, default=Path(__file__).parent / "results" / "throughput.png"
     )
     ap.add_argument("--json", action="store_true", help="print only the JSON summary")
@@ -286,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        dtype=args.dtype,
     )
     engine = LLMEngine(base)
     vocab = engine.vocab_size
@@ -293,15 +329,22 @@ def main(argv: list[str] | None = None) -> int:
     wl = mixed_workload(
         args.num_requests, vocab, args.seed, args.prompt_mean, args.output_mean, args.max_model_len
     )
-    gflops = matmul_gflops()
+    dtype = getattr(torch, args.dtype)
+    # Every system first serves a few other requests, as a running server would have:
+    # the first calls of a process pay one-off costs (allocations, kernel selection).
+    warm = mixed_workload(4, vocab, args.seed + 1, args.prompt_mean, 8, args.max_model_len)
+    gflops = matmul_gflops(dtype)
+    gflops_fp32 = gflops if dtype == torch.float32 else matmul_gflops(torch.float32)
     say(
-        f"fp32 matmul: {gflops:.1f} GFLOP/s; {len(wl.prompts)} requests, "
+        f"{args.dtype} matmul: {gflops:.1f} GFLOP/s; {len(wl.prompts)} requests, "
         f"{wl.prompt_tokens} prompt + {wl.output_tokens} output tokens"
     )
     results: dict[str, dict] = {
         "machine": {
             "threads": torch.get_num_threads(),
+            "dtype": args.dtype,
             "matmul_gflops": round(gflops, 1),
+            "matmul_gflops_fp32": round(gflops_fp32, 1),
             "params": params,
             # Other processes' load: these machines are shared, and ratios are fairer
             # than absolute figures when it is not zero.
@@ -312,24 +355,26 @@ def main(argv: list[str] | None = None) -> int:
     for name in systems:
         say(f"running {name} ...")
         if name == "paged":
-            results[name], timelines[name] = run_pagedinfer(name, wl, base, params, gflops, engine)
+            results[name], timelines[name] = run_pagedinfer(
+                name, wl, base, params, gflops, engine, warm
+            )
         elif name == "contiguous":
             cfg = EngineConfig(**{**base.__dict__, "allocation_policy": "contiguous"})
-            results[name], timelines[name] = run_pagedinfer(name, wl, cfg, params, gflops)
+            results[name], timelines[name] = run_pagedinfer(
+                name, wl, cfg, params, gflops, warmup=warm
+            )
         else:
             from transformers import AutoModelForCausalLM
 
             from pagedinfer.service.loader import ensure_default_model
 
-            hf = AutoModelForCausalLM.from_pretrained(
-                ensure_default_model(), dtype=torch.float32
-            ).eval()
+            hf = AutoModelForCausalLM.from_pretrained(ensure_default_model(), dtype=dtype).eval()
             if name == "hf_static":
                 results[name] = run_hf_static(
-                    wl, hf, params, gflops, args.hf_batch, engine.tokenizer.eos_token_id or 0
+                    wl, hf, params, gflops, args.hf_batch, engine.tokenizer.eos_token_id or 0, warm
                 )
             else:
-                results[name] = run_hf_continuous(wl, hf, params, gflops, engine.num_blocks)
+                results[name] = run_hf_continuous(wl, hf, params, gflops, engine.num_blocks, warm)
         say(json.dumps(results[name]))
     if args.prefix_requests:
         pwl = shared_prefix_workload(args.prefix_requests, vocab, args.seed, args.prefix_len, 16)
@@ -341,8 +386,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             # Warm the cache with one request first, as a server would be warm.
             eng = LLMEngine(cfg)
-            warm = Workload(pwl.prompts[:1], [1])
-            run_pagedinfer("warm", warm, cfg, params, gflops, eng)
+            primer = Workload(pwl.prompts[:1], [1])
+            run_pagedinfer("warm", primer, cfg, params, gflops, eng)
             results[name], _ = run_pagedinfer(name, pwl, cfg, params, gflops, eng)
             say(json.dumps(results[name]))
         on, off = results["prefix_cache_on"], results["prefix_cache_off"]

@@ -11,7 +11,10 @@ the group's longest context, zeroes the padding (unwritten slots may hold NaN, a
 - prefills use SDPA's own GQA with a mask for the causal offset (the new tokens are
   the last positions of the context), or is_causal when no sequence has earlier
   context (a fresh prompt), which lets the kernel skip the masked half.
-Arithmetic is fp32 (bf16/fp16 matmuls are slow on CPU); the output takes query's dtype.
+K/V are gathered in the cache's dtype (half the bytes of fp32 for a 16-bit cache). The
+arithmetic runs in bf16 when query and cache are bf16 and the CPU has native bf16 matmul
+(AMX or AVX512-BF16: SDPA accumulates in fp32 there), otherwise in fp32 (fp16, and bf16
+elsewhere, are slow on CPU); the output takes query's dtype.
 
 The bookkeeping (groups, gather indices, padding, masks) depends only on the batch, not
 on the layer: `plan_attention` computes it once, and a model passes the plan to every
@@ -20,9 +23,10 @@ layer's call. Without a plan, each call makes its own.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +72,15 @@ class _Group:
     valid: torch.Tensor | None  # int64, which of the num_seqs * max_new entries are real
     mask: torch.Tensor | None  # fp32 additive mask, or None with is_causal
     decode: bool
+    masks: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)  # mask, converted
+
+    def mask_in(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The additive mask in `dtype` (SDPA wants the query's), converted once per plan."""
+        if self.mask is None or dtype == self.mask.dtype:
+            return self.mask
+        if dtype not in self.masks:
+            self.masks[dtype] = self.mask.to(dtype)
+        return self.masks[dtype]
 
 
 @dataclass
@@ -177,14 +190,16 @@ def paged_attention(
     if plan is None:
         plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
     num_heads, head_dim = query.shape[1], query.shape[2]
+    dtype = compute_dtype(query.dtype, k_cache.dtype)
     for g in plan.groups:
-        key, value = _gather_context(k_cache, v_cache, g)
-        q = query.index_select(0, g.query_rows).float()
+        key, value = _gather_context(k_cache, v_cache, g, dtype)
+        q = query.index_select(0, g.query_rows).to(dtype)
         q = q.view(g.num_seqs, g.max_new, num_heads, head_dim)
+        mask = g.mask_in(dtype)
         if g.decode:
-            o = _decode(q, key, value, g.mask, scale)
+            o = _decode(q, key, value, mask, scale)
         else:
-            o = _prefill(q, key, value, g.mask, scale)
+            o = _prefill(q, key, value, mask, scale)
         o = o.reshape(g.num_seqs * g.max_new, num_heads, head_dim)
         if g.valid is not None:
             o = o.index_select(0, g.valid)
@@ -192,17 +207,39 @@ def paged_attention(
     return out
 
 
+# A group costs about 70 us per layer whatever its size (a dozen small ops and one SDPA
+# launch), and each padded context slot about 0.13 us (gathered, zeroed and attended to;
+# measured on SmolLM2's KV shapes, fp32 and bf16, 2 threads). A decode joins the current
+# group while its padding stays under this many slots: past it, a new group is cheaper.
+DECODE_PAD_SLOTS = 512
+
+
 def _length_groups(query_lens: torch.Tensor, seq_lens: torch.Tensor) -> list[torch.Tensor]:
-    """Sequence ids in groups that pad cheaply: decodes apart from prefills, and within
-    each, context lengths in the same geometric bucket (ratio 1.25), so padding to the
-    group's longest adds at most a quarter to the gather and the attention, which cost
-    in proportion to it. Short contexts share one bucket: a group has a fixed cost of a
-    few small ops. Sequences with no new tokens are dropped.
+    """Sequence ids in groups that pad cheaply. Sequences with no new tokens are dropped.
+
+    Decodes are sorted by context and cut wherever the padding to the group's longest
+    context would exceed DECODE_PAD_SLOTS, so a batch of similar contexts runs as one
+    SDPA call. Prefills (whose padding is multiplied by their query rows) group by
+    geometric buckets of query length (ratio 2) and context (ratio 1.25).
     """
-    context_bucket = _log_bucket(seq_lens, smallest=64, ratio=1.25)
-    query_bucket = torch.where(query_lens == 1, 0, _log_bucket(query_lens, smallest=64, ratio=2))
-    key = torch.where(query_lens > 0, query_bucket * 1024 + context_bucket, -1)
-    return [(key == k).nonzero().flatten() for k in key.unique().tolist() if k >= 0]
+    groups = []
+    decodes = (query_lens == 1).nonzero().flatten()
+    if decodes.numel():
+        lens, order = torch.sort(seq_lens[decodes], descending=True)
+        decodes = decodes[order]
+        lengths, first = lens.tolist(), 0
+        for i, length in enumerate(lengths):
+            if lengths[first] - length > DECODE_PAD_SLOTS:
+                groups.append(decodes[first:i])
+                first = i
+        groups.append(decodes[first:])
+    prefill = query_lens > 1
+    if bool(prefill.any()):
+        context_bucket = _log_bucket(seq_lens, smallest=64, ratio=1.25)
+        query_bucket = _log_bucket(query_lens, smallest=64, ratio=2)
+        key = torch.where(prefill, query_bucket * 1024 + context_bucket, -1)
+        groups.extend((key == k).nonzero().flatten() for k in key.unique().tolist() if k >= 0)
+    return groups
 
 
 def _log_bucket(lengths: torch.Tensor, smallest: int, ratio: float) -> torch.Tensor:
@@ -210,15 +247,31 @@ def _log_bucket(lengths: torch.Tensor, smallest: int, ratio: float) -> torch.Ten
     return (torch.log(lengths.clamp(min=smallest).double()) / math.log(ratio)).ceil().long()
 
 
+def compute_dtype(query_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the CPU attention computes in: bf16 only where the CPU runs it natively."""
+    if query_dtype == cache_dtype == torch.bfloat16 and native_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """Whether this CPU has bf16 matmul instructions (AMX tiles or AVX512-BF16)."""
+    return any(
+        bool(getattr(torch.cpu, probe, lambda: False)())
+        for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    )
+
+
 def _gather_context(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, g: _Group
+    k_cache: torch.Tensor, v_cache: torch.Tensor, g: _Group, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of each sequence, fp32 [seqs, ctx, kv_heads, head_dim], zero past its end."""
+    """K and V of each sequence in `dtype`, [seqs, ctx, kv_heads, head_dim], zero past its end."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     shape = (g.num_seqs, g.ctx, num_kv_heads, head_dim)
     gathered = []
     for cache, name in ((k_cache, "key"), (v_cache, "value")):
-        blocks = _gather_blocks(cache, g.table, name)
+        blocks = _gather_blocks(cache, g.table, name, dtype)
         if g.unused_blocks.numel():
             blocks.view(g.table.numel(), -1).index_fill_(0, g.unused_blocks, 0.0)
         if g.tail_rows.numel():
@@ -258,19 +311,27 @@ def _prefill(
     return o.transpose(1, 2)
 
 
-def _gather_blocks(cache: torch.Tensor, table: torch.Tensor, name: str) -> torch.Tensor:
-    """cache[table] in fp32, as [len(table), block_size, kv_heads, head_dim], in scratch."""
+def _gather_blocks(
+    cache: torch.Tensor, table: torch.Tensor, name: str, dtype: torch.dtype
+) -> torch.Tensor:
+    """cache[table] in `dtype`, as [len(table), block_size, kv_heads, head_dim], in scratch.
+
+    One index_select in the cache's own dtype (a strided cache is made contiguous per
+    block by advanced indexing instead); a conversion, when needed, is a second pass.
+    """
     shape = (table.numel(), *cache.shape[1:])
-    if cache.dtype == torch.float32 and cache[0].is_contiguous():
-        buffer = _scratch.get(name, shape, cache.device)
-        return torch.index_select(
-            cache.view(cache.shape[0], -1), 0, table, out=buffer.view(shape[0], -1)
-        )
-    return _scratch.get(name, shape, cache.device).copy_(cache[table])
+    if cache[0].is_contiguous():
+        raw = _scratch.get(name, shape, cache.dtype, cache.device)
+        torch.index_select(cache.view(cache.shape[0], -1), 0, table, out=raw.view(shape[0], -1))
+    else:
+        raw = cache[table]
+    if raw.dtype == dtype:
+        return raw
+    return _scratch.get(name + "/converted", shape, dtype, cache.device).copy_(raw)
 
 
 class _Scratch(threading.local):
-    """Grow-only fp32 buffers for the gathered K/V, one set per thread.
+    """Grow-only buffers for the gathered K/V, per name and dtype, one set per thread.
 
     Reusing them matters: a fresh tensor of tens of MB comes from mmap, and touching its
     pages for the first time costs more page faults (a kernel zeroing each 4 KiB page)
@@ -278,14 +339,17 @@ class _Scratch(threading.local):
     """
 
     def __init__(self) -> None:
-        self.buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self.buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
 
-    def get(self, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    def get(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         numel = math.prod(shape)
-        buffer = self.buffers.get((name, device))
+        key = (name, dtype, device)
+        buffer = self.buffers.get(key)
         if buffer is None or buffer.numel() < numel:
-            buffer = torch.empty(numel + numel // 4, dtype=torch.float32, device=device)
-            self.buffers[name, device] = buffer
+            buffer = torch.empty(numel + numel // 4, dtype=dtype, device=device)
+            self.buffers[key] = buffer
         return buffer[:numel].view(shape)
 
 
