@@ -29,7 +29,12 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from pagedinfer.service.models.llama import Linear, LlamaModel, ModelConfig
+from pagedinfer.service.models.llama import (
+    Linear,
+    LlamaModel,
+    ModelConfig,
+    cpu_weight_packing_available,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -224,6 +229,8 @@ def load_model(
     _load_weights(module, weight_files)
     module.rotary.reset_cache()
     module.eval()
+    if cpu_weight_packing_available(device, dtype):
+        module.pack_weights()
 
     tokenizer = _load_tokenizer(path)
     if not config.eos_token_ids:

@@ -8,8 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagedinfer.service import loader
 from pagedinfer.service.loader import LoadedModel, load_model
-from pagedinfer.service.models.llama import AttentionMetadata, LlamaModel, ModelConfig
+from pagedinfer.service.models.llama import (
+    AttentionMetadata,
+    LlamaModel,
+    ModelConfig,
+    cpu_weight_packing_available,
+)
 
 BLOCK_SIZE = 16
 PROMPTS = [
@@ -24,13 +30,23 @@ PROMPTS = [
 class PagedCache:
     """A KV cache with a shuffled block table per sequence: the test's own model runner."""
 
-    def __init__(self, config: ModelConfig, num_seqs: int, max_len: int, seed: int = 0) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_seqs: int,
+        max_len: int,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         blocks_per_seq = -(-max_len // BLOCK_SIZE)
         num_blocks = num_seqs * blocks_per_seq + 1
         shape = (num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
         # NaN in unused slots: reading anything that was never written poisons the output.
         self.kv_caches = [
-            (torch.full(shape, float("nan")), torch.full(shape, float("nan")))
+            (
+                torch.full(shape, float("nan"), dtype=dtype),
+                torch.full(shape, float("nan"), dtype=dtype),
+            )
             for _ in range(config.num_layers)
         ]
         order = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1
@@ -65,17 +81,20 @@ class PagedCache:
         return list(logits.split([len(tokens) for _, tokens, _ in chunks]))
 
 
-def hf_logits(path: Path, token_lists: list[list[int]]) -> list[torch.Tensor]:
+def hf_logits(
+    path: Path, token_lists: list[list[int]], dtype: torch.dtype = torch.float32
+) -> list[torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     with torch.inference_mode():
         return [hf(torch.tensor([tokens])).logits[0].float() for tokens in token_lists]
 
 
 def our_logits(loaded: LoadedModel, token_lists: list[list[int]]) -> list[torch.Tensor]:
     """All prompts packed into one flat batch, one prefill each."""
-    cache = PagedCache(loaded.config, len(token_lists), max(map(len, token_lists)))
+    dtype = next(loaded.model.parameters()).dtype
+    cache = PagedCache(loaded.config, len(token_lists), max(map(len, token_lists)), dtype=dtype)
     return cache.step(loaded.model, [(i, t, 0) for i, t in enumerate(token_lists)])
 
 
@@ -106,6 +125,55 @@ def test_default_model_logits_match_transformers(
         top2 = b.topk(2, dim=-1).values
         clear = top2[:, 0] - top2[:, 1] > 1e-2
         assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
+
+
+def test_bfloat16_logits_match_transformers_bfloat16(
+    default_model_dir: Path, default_tokens: list[list[int]]
+) -> None:
+    """bf16 end to end (weights, KV cache, attention where the CPU has native bf16)."""
+    loaded = load_model(str(default_model_dir), torch.device("cpu"), torch.bfloat16)
+    ours = our_logits(loaded, default_tokens)
+    theirs = hf_logits(default_model_dir, default_tokens, torch.bfloat16)
+    reference = hf_logits(default_model_dir, default_tokens)
+    for a, b, exact in zip(ours, theirs, reference, strict=True):
+        assert a.shape == b.shape and bool(a.isfinite().all())
+        # Both round differently from the fp32 logits; ours may not drift much further.
+        ours_err, theirs_err = (a - exact).abs(), (b - exact).abs()
+        assert ours_err.mean() < 2 * theirs_err.mean() + 0.02, (ours_err.mean(), theirs_err.mean())
+        assert ours_err.max() < 3 * theirs_err.max(), (ours_err.max(), theirs_err.max())
+        top2 = exact.topk(2, dim=-1).values
+        clear = top2[:, 0] - top2[:, 1] > 1.0
+        assert torch.equal(a.argmax(-1)[clear], exact.argmax(-1)[clear])
+
+
+def test_packed_bfloat16_weights_compute_what_dense_ones_do(
+    default_model_dir: Path, default_tokens: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cpu = torch.device("cpu")
+    if not cpu_weight_packing_available(cpu, torch.bfloat16):
+        pytest.skip("this CPU has no native bf16 matmul: weights stay dense")
+    packed = load_model(str(default_model_dir), cpu, torch.bfloat16)
+    qkv = packed.model.layers[0].self_attn.qkv_proj
+    assert qkv.packed is not None and qkv.weight.is_meta
+    assert packed.model.lm_head_packed is not None
+    monkeypatch.setattr(loader, "cpu_weight_packing_available", lambda *_: False)
+    dense = load_model(str(default_model_dir), cpu, torch.bfloat16)
+    assert dense.model.layers[0].self_attn.qkv_proj.packed is None
+    exact = load_model(str(default_model_dir), cpu, torch.float32)
+    for a, b, e in zip(
+        our_logits(packed, default_tokens),
+        our_logits(dense, default_tokens),
+        our_logits(exact, default_tokens),
+        strict=True,
+    ):
+        # Same bf16 products, fp32 sums in another order: after 30 layers the two differ
+        # about as much as either differs from fp32, and neither may be the worse by far.
+        packed_err, dense_err = (a - e).abs(), (b - e).abs()
+        assert packed_err.mean() < 1.5 * dense_err.mean() + 0.02
+        assert packed_err.max() < 2 * dense_err.max() + 0.1
+        top2 = e.topk(2, dim=-1).values
+        clear = top2[:, 0] - top2[:, 1] > 1.0
+        assert torch.equal(a.argmax(-1)[clear], e.argmax(-1)[clear])
 
 
 def test_chunked_prefill_and_decode_equal_one_shot(
