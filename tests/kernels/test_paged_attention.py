@@ -180,3 +180,22 @@ def test_lengths_spread_over_many_buckets(backend: ModuleType, make_batch: Calla
         [5, 300, 700, 130, 3, 520], [1, 1, 1, 100, 3, 70], num_heads=4, num_kv_heads=2
     )
     assert_matches_reference(batch, backend.paged_attention(*batch.args()))
+
+
+def test_decode_groups_respect_the_padding_budget(make_batch: Callable) -> None:
+    """The torch path cuts decodes, sorted by context, wherever padding to the group's
+    longest would pass DECODE_PAD_SLOTS; every row still lands in its own output."""
+    from pagedinfer.kernels import torch_ops
+
+    budget = torch_ops.DECODE_PAD_SLOTS
+    top = 4 * budget
+    # top - budget joins top's group exactly at the budget, one slot less does not.
+    seq_lens = [top - budget - 1, 10, top, top - 2 * budget + 5, top - budget, 82]
+    batch = make_batch(seq_lens, [1] * len(seq_lens), num_heads=9, num_kv_heads=3)
+    plan = torch_ops.plan_attention(
+        batch.block_tables, batch.seq_lens, batch.query_start_loc, batch.k_cache.shape[1]
+    )
+    groups = [sorted(seq_lens[i] for i in g.query_rows.tolist()) for g in plan.groups]
+    assert groups == [[3 * budget, top], [2 * budget + 5, 3 * budget - 1], [10, 82]]
+    out = torch_ops.paged_attention(*batch.args(), plan=plan)
+    assert_matches_reference(batch, out)
