@@ -73,6 +73,26 @@ def test_half_precision_matches_reference(
     assert_matches_reference(batch, out)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["bf16-compute", "fp32-compute"])
+def test_cpu_bf16_computes_natively_or_in_fp32(
+    make_batch: Callable, monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    """The torch path computes bf16 in bf16 where the CPU has it natively, in fp32
+    elsewhere: both must agree with the reference, whichever CPU runs the test."""
+    from pagedinfer.kernels import torch_ops
+
+    monkeypatch.setattr(torch_ops, "native_bf16", lambda: native)
+    expected = torch.bfloat16 if native else torch.float32
+    assert torch_ops.compute_dtype(torch.bfloat16, torch.bfloat16) == expected
+    assert torch_ops.compute_dtype(torch.float16, torch.float16) == torch.float32
+    batch = make_batch(
+        MIXED_SEQ_LENS, MIXED_QUERY_LENS, num_heads=9, num_kv_heads=3, dtype=torch.bfloat16
+    )
+    out = torch_ops.paged_attention(*batch.args())
+    assert out.dtype == torch.bfloat16
+    assert_matches_reference(batch, out)
+
+
 def test_minus_one_table_padding_is_never_read(backend: ModuleType, make_batch: Callable) -> None:
     batch = make_batch(MIXED_SEQ_LENS, MIXED_QUERY_LENS, table_padding="minus_one")
     assert_matches_reference(batch, backend.paged_attention(*batch.args()))
