@@ -88,10 +88,10 @@ def make_tiny_model(
         config = getattr(transformers, class_name)(**{**TINY_BASE, **preset_kwargs, **overrides})
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        if preset == "qwen2":  # random-init biases are zero; make them count
-            for name, param in model.named_parameters():
-                if name.endswith("bias"):
-                    torch.nn.init.normal_(param, std=0.5)
+        # Random-init biases are zero; make every bias a model has count.
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                torch.nn.init.normal_(param, std=0.5)
         out = tmp_path_factory.mktemp(f"tiny-{preset}")
         model.save_pretrained(out)
         for file in TOKENIZER_FILES:

@@ -251,3 +251,32 @@ def test_tiny_models_match_transformers(
     # Long enough to pass the llama3 preset's original context (64) and the yarn one (128).
     token_lists = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (200, 7, 1)]
     assert_close(our_logits(loaded, token_lists), hf_logits(path, token_lists), atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("preset", "overrides"),
+    [
+        ("llama", {}),
+        ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
+        ("qwen2", {}),
+    ],
+    ids=["llama-untied", "llama-biases-tied", "qwen2"],
+)
+def test_tiny_models_in_bfloat16(
+    make_tiny_model: Callable[..., Path], preset: str, overrides: dict
+) -> None:
+    """bf16 with every weight layout: untied and tied LM heads, q/k/v, o_proj and MLP
+    biases (all packed for oneDNN where the CPU has native bf16)."""
+    path = make_tiny_model(preset, **overrides)
+    loaded = load_model(str(path), torch.device("cpu"), torch.bfloat16)
+    packed = cpu_weight_packing_available(torch.device("cpu"), torch.bfloat16)
+    assert (loaded.model.lm_head_packed is not None) == packed
+    gen = torch.Generator().manual_seed(2)
+    token_lists = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (90, 7, 1)]
+    ours = our_logits(loaded, token_lists)
+    theirs = hf_logits(path, token_lists, torch.bfloat16)
+    exact = hf_logits(path, token_lists)
+    for a, b, e in zip(ours, theirs, exact, strict=True):
+        ours_err, theirs_err = (a - e).abs(), (b - e).abs()
+        assert ours_err.mean() < 2 * theirs_err.mean() + 0.02, (ours_err.mean(), theirs_err.mean())
+        assert ours_err.max() < 3 * theirs_err.max() + 0.05, (ours_err.max(), theirs_err.max())
