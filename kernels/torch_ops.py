@@ -121,12 +121,18 @@ def _plan_group(
     num_seqs = lens.shape[0]
     num_blocks = (int(lens.max()) + block_size - 1) // block_size
     ctx = num_blocks * block_size
-    # Whole blocks in one gather. Table entries past a sequence's end may hold anything,
-    # so they are redirected to block 0, whose copies are then zeroed.
+    # Whole blocks in one gather. Table entries past a sequence's end may hold anything.
+    # They are redirected to the sequence's own first block when that one is full: every
+    # slot of it was written by the sequence, so the masked copies hold nothing its
+    # visible positions do not (no other request's NaN can leak in) and need no zeroing.
+    # Sequences shorter than a block have no such block: theirs point at block 0 and
+    # are zeroed after the gather.
     table = block_tables[seq_ids, :num_blocks].long()
     used = torch.arange(num_blocks, device=device)[None, :] * block_size < lens[:, None]
-    table = torch.where(used, table, 0).flatten()
-    unused_blocks = (~used).flatten().nonzero().flatten()
+    first_full = lens >= block_size
+    own = torch.where(first_full, table[:, 0], 0)
+    table = torch.where(used, table, own[:, None]).flatten()
+    unused_blocks = (~used & ~first_full[:, None]).flatten().nonzero().flatten()
     # The unwritten end of each sequence's last block.
     last_block_end = (lens + block_size - 1) // block_size * block_size
     position = torch.arange(ctx, device=device)[None, :]

@@ -262,12 +262,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        # In fp32, rounded once at the end (Hugging Face rounds after normalising and
-        # again after scaling: within one ulp). Four times faster than rms_norm on bf16
-        # input, which converts inside every elementary step.
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        # In fp32, rounded once at the end for 16-bit input (Hugging Face rounds after
+        # normalising and again after scaling: within one ulp).
+        if x.is_cuda:
+            return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        # On CPU, rms_norm runs as separate passes: one fused vector_norm reduction and
+        # two multiplies are 10x faster at 512 tokens (75 vs 756 us, fp32) and as fast
+        # at one token.
+        xf = x.float()
+        norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
+        scale = norm.square_().div_(x.shape[-1]).add_(self.eps).rsqrt_()
+        return (xf * scale).mul_(self.weight.float()).to(x.dtype)
 
 
 class Attention(nn.Module):
