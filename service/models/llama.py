@@ -382,8 +382,7 @@ class LlamaModel(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
-
-        self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_packed: torch.Tensor | None = None  # set by pack_weights
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
