@@ -29,6 +29,7 @@ class EngineConfig:
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
     allocation_policy: AllocationPolicy = "paged"
+    num_threads: int | None = None  # CPU threads; None = OMP_NUM_THREADS, else the CPU quota
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -38,6 +39,8 @@ class EngineConfig:
         _positive("kv_cache_memory", self.kv_cache_memory)
         if self.num_gpu_blocks is not None:
             _positive("num_gpu_blocks", self.num_gpu_blocks)
+        if self.num_threads is not None:
+            _positive("num_threads", self.num_threads)
         if self.max_model_len < self.block_size:
             raise ValueError(
                 f"max_model_len ({self.max_model_len}) must be at least block_size ({self.block_size})"
@@ -125,6 +128,13 @@ def add_engine_arguments(parser) -> None:
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument(
         "--allocation-policy", default=d.allocation_policy, choices=["paged", "contiguous"]
+    )
+    g.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="CPU threads of the forward pass (default: OMP_NUM_THREADS if set, else the "
+        "CPUs visible, capped at the container's CPU quota)",
     )
 
 

@@ -31,6 +31,7 @@ from pagedinfer.service.sampler import Sampler, SamplingRow, make_generator
 from pagedinfer.service.sampling_params import SamplingParams
 from pagedinfer.service.scheduler import Scheduler, SchedulerStats
 from pagedinfer.service.stop_checker import StopChecker
+from pagedinfer.service.threads import configure_cpu_threads
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,8 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.device = resolve_device(config)
+        if self.device.type == "cpu":
+            configure_cpu_threads(config.num_threads)
         dtype = resolve_dtype(config, self.device)
         loaded = load_model(config.model, self.device, dtype, max_model_len=config.max_model_len)
         self.config = config

@@ -50,6 +50,7 @@ def test_generate_refuses_bad_sampling_flags_naming_the_field(flags, field):
         (["--max-num-seqs", "-4"], "max_num_seqs must be a positive integer"),
         (["--max-model-len", "8", "--block-size", "16"], "max_model_len (8) must be at least"),
         (["--kv-cache-memory", "lots"], "not a byte size"),
+        (["--num-threads", "0"], "num_threads must be a positive integer"),
     ],
 )
 def test_serve_refuses_bad_engine_settings_before_loading(flags, message):

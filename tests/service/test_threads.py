@@ -1,0 +1,80 @@
+"""CPU threads: the container's CPU quota caps torch's pool unless the operator chose."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedinfer.service.config import EngineConfig
+from pagedinfer.service.threads import cgroup_cpu_limit, configure_cpu_threads
+
+
+@pytest.fixture(autouse=True)
+def restore_threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def cgroup_v2(tmp_path: Path, cpu_max: str) -> Path:
+    (tmp_path / "cpu.max").write_text(cpu_max + "\n")
+    return tmp_path
+
+
+def cgroup_v1(tmp_path: Path, quota: int, period: int) -> Path:
+    (tmp_path / "cpu").mkdir(parents=True)
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text(f"{period}\n")
+    return tmp_path
+
+
+def test_cgroup_v2_quota(tmp_path: Path) -> None:
+    assert cgroup_cpu_limit(cgroup_v2(tmp_path, "250000 100000")) == 2.5
+
+
+def test_cgroup_v2_without_quota(tmp_path: Path) -> None:
+    assert cgroup_cpu_limit(cgroup_v2(tmp_path, "max 100000")) is None
+
+
+def test_cgroup_v1_quota_and_unlimited(tmp_path: Path) -> None:
+    assert cgroup_cpu_limit(cgroup_v1(tmp_path / "a", 150000, 100000)) == 1.5
+    assert cgroup_cpu_limit(cgroup_v1(tmp_path / "b", -1, 100000)) is None
+
+
+def test_no_cgroup_files_or_garbage_mean_no_limit(tmp_path: Path) -> None:
+    assert cgroup_cpu_limit(tmp_path) is None
+    assert cgroup_cpu_limit(cgroup_v2(tmp_path, "lots")) is None
+
+
+def test_quota_caps_the_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    torch.set_num_threads(4)
+    assert configure_cpu_threads(None, cgroup_v2(tmp_path, "150000 100000")) == 1
+    assert torch.get_num_threads() == 1
+
+
+def test_quota_above_the_visible_cpus_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    torch.set_num_threads(2)
+    assert configure_cpu_threads(None, cgroup_v2(tmp_path, "800000 100000")) == 2
+
+
+def test_explicit_choices_win_over_the_quota(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = cgroup_v2(tmp_path, "100000 100000")
+    assert configure_cpu_threads(3, root) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    torch.set_num_threads(2)
+    assert configure_cpu_threads(None, root) == 2  # OMP_NUM_THREADS is the operator's
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
+def test_bad_thread_counts_are_refused(bad: object) -> None:
+    with pytest.raises(ValueError, match="num_threads must be a positive integer"):
+        EngineConfig(num_threads=bad)  # type: ignore[arg-type]
