@@ -156,13 +156,18 @@ class KVCacheManager:
         return blocks
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[Block] = ()
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: Sequence[Block] = (),
+        keep_free: int = 0,
     ) -> bool:
         """Make room for the next num_new_tokens tokens; False (and no change) if short.
 
         computed_blocks, from get_computed_blocks at admission, become the head of the
         block table and count as computed. A shared block about to be written is first
         copied (copy-on-write); the (src, dst) pair goes to take_pending_copies.
+        keep_free: blocks that must stay free afterwards (the admission watermark).
         """
         table, size, blocks = request.block_table, self.block_size, self.pool.blocks
         start = request.num_computed_tokens + len(computed_blocks) * size
@@ -171,7 +176,7 @@ class KVCacheManager:
         last = min(-(-end // size), len(table))  # blocks written this step that already exist
         shared = [i for i in range(start // size, last) if blocks[table[i]].ref_count > 1]
         revived = sum(1 for b in computed_blocks if b.ref_count == 0)
-        if num_needed + len(shared) + revived > self.pool.num_free:
+        if num_needed + len(shared) + revived + keep_free > self.pool.num_free:
             return False
 
         if computed_blocks:

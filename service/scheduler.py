@@ -17,6 +17,13 @@ from pagedinfer.service.block_manager import KVCacheManager, KVCacheStats
 from pagedinfer.service.config import EngineConfig
 from pagedinfer.service.request import Request, RequestStatus
 
+# Share of the KV blocks that admitting a new request must leave free for the running
+# ones to grow into. Admitting until the pool is full means the next block boundary of
+# any running request preempts one: on the `pagedinfer simulate` trace (1,000 requests,
+# 1,536 blocks) 1% halves the preemptions (1,479 to 728) for 0.1% more steps; 2% cuts
+# them to 432 for 0.8% more, 4% to 178 for 1.8% more.
+ADMISSION_WATERMARK = 0.01
+
 
 @dataclass
 class ScheduledRequest:
@@ -61,6 +68,9 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.requests: dict[str, Request] = {}  # every unfinished request
         self._finished: list[Request] = []
+        # Contiguous requests reserve their whole length up front and never grow.
+        paged = config.allocation_policy == "paged"
+        self.watermark_blocks = int(ADMISSION_WATERMARK * num_blocks) if paged else 0
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -130,7 +140,10 @@ class Scheduler:
             hits = self.kv_cache.get_computed_blocks(request)
             num_cached = len(hits) * self.config.block_size
             num_tokens = min(request.num_tokens - num_cached, budget)
-            if not self.kv_cache.allocate_slots(request, num_tokens, hits):
+            # Admission leaves a few blocks free for the running requests to grow into;
+            # an empty engine admits regardless, so a request that fits alone can start.
+            keep_free = self.watermark_blocks if self.running else 0
+            if not self.kv_cache.allocate_slots(request, num_tokens, hits, keep_free):
                 break  # strict FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING

@@ -278,3 +278,24 @@ def test_stats_demand_counts_the_waiting_queue() -> None:
     assert (stats.running, stats.waiting) == (1, 2)
     assert stats.kv.used == 2
     assert stats.kv.demand == 2 + 3 + 7  # more than the cache: real demand
+
+
+def test_admission_leaves_the_watermark_free_for_running_requests() -> None:
+    # 300 blocks of 4 tokens: a watermark of 3 blocks.
+    scheduler = make_scheduler(num_blocks=300, max_model_len=1200, max_num_batched_tokens=2048)
+    assert scheduler.watermark_blocks == 3
+    scheduler.add_request(make_request("a", 4 * 290))  # 290 blocks, admitted alone
+    step(scheduler)
+    assert scheduler.num_running == 1
+    # b's 8 blocks fit in the 9 left after a's first decode, but would leave fewer than 3.
+    scheduler.add_request(make_request("b", 4 * 8, first=5000))
+    step(scheduler)
+    assert scheduler.num_running == 1 and scheduler.num_waiting == 1
+    scheduler.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    step(scheduler)
+    assert scheduler.num_running == 1 and scheduler.num_waiting == 0
+
+
+def test_contiguous_policy_has_no_watermark() -> None:
+    scheduler = make_scheduler(num_blocks=300, allocation_policy="contiguous")
+    assert scheduler.watermark_blocks == 0
