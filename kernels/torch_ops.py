@@ -1,11 +1,12 @@
 """Vectorised torch path for CPU: the backend the model uses when it runs without a GPU.
 
 No Python loop per token or block. Sequences are grouped so that padding stays cheap:
-decodes (one new token) apart from prefills, and lengths in geometric buckets (a batch
-of decodes with contexts from 50 to 2000 tokens is not all padded to 2000). Each
-group gathers its K/V blocks through the block tables in one `index_select`, pads to
-the group's longest context, zeroes the padding (unwritten slots may hold NaN, and a
--inf score does not stop 0 * NaN), and runs one batched scaled_dot_product_attention:
+decodes (one new token) apart from prefills; decodes cut by a padding budget, prefills
+by geometric length buckets (a batch of decodes with contexts from 50 to 2000 tokens is
+not all padded to 2000). Each group gathers its K/V blocks through the block tables in
+one `index_select`, pads to the group's longest context with masked slots that cannot
+hold another request's NaN (copies of the sequence's own full first block, else zeros;
+a -inf score does not stop 0 * NaN), and runs one batched scaled_dot_product_attention:
 - decodes fold the query heads of one KV head into the query-length dimension, so each
   K/V row is read once per KV head, not once per query head;
 - prefills use SDPA's own GQA with a mask for the causal offset (the new tokens are
@@ -335,7 +336,7 @@ def _gather_blocks(
         raw = cache[table]
     if raw.dtype == dtype:
         return raw
-    return _scratch.get(name + "/converted", shape, dtype, cache.device).copy_(raw)
+    return _scratch.get(name, shape, dtype, cache.device).copy_(raw)
 
 
 class _Scratch(threading.local):
