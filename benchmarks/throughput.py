@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import limits
 import numpy as np
 import torch
 
@@ -135,10 +136,21 @@ def run_pagedinfer(
     gflops: float,
     engine: LLMEngine | None = None,
     warmup: Workload | None = None,
+    passes: list[tuple[int, int]] | None = None,
 ) -> tuple[dict, list]:
+    """Serve the workload; `passes`, when given, receives (tokens, logits rows) per forward."""
     engine = engine or LLMEngine(config)
     if warmup is not None:
         run_pagedinfer("warmup", warmup, config, params, gflops, engine)
+    if passes is not None:
+        execute = engine.runner.execute
+
+        def recording(out):
+            result = execute(out)
+            passes.append((out.num_batched_tokens, result.logits.shape[0]))
+            return result
+
+        engine.runner.execute = recording
     before = engine.stats()
     start = time.perf_counter()
     first: dict[str, float] = {}
@@ -160,6 +172,8 @@ def run_pagedinfer(
             if d.finish_reason is not None:
                 done[d.request_id] = now
     elapsed = time.perf_counter() - start
+    if passes is not None:
+        del engine.runner.execute  # back to the class's method
     ttfts = [first[r] for r in ids]
     tpots = [
         (done[r] - first[r]) / (n - 1) for r, n in zip(ids, wl.output_lens, strict=True) if n > 1
@@ -216,6 +230,50 @@ def critical_path(
         "read_gb_per_s": round(bandwidth / 1e9, 1),
         "weight_read_ms": round(1e3 * weight_bytes / bandwidth, 1),
         "weight_read_floor_s": round(alone.output_lens[0] * weight_bytes / bandwidth, 2),
+    }
+
+
+def gemm_limits(
+    wl: Workload, engine: LLMEngine, passes: list[tuple[int, int]], paged_seconds: float
+) -> dict:
+    """The model's GEMMs alone (see limits.py): in the paged run's own passes, and the
+    floor for any schedule of the workload on this machine's matmul library.
+
+    Ceilings are against a matmul rate measured now, next to the GEMM timings.
+    """
+    model = engine.runner.model
+    tokens = [m for m, _ in passes]
+    grid = set(tokens) | {2**i for i in range(12) if 2**i <= max(tokens)}
+    curve = limits.gemm_curve(model, grid)
+    lm = {rows: limits.lm_head_seconds(model, rows) for rows in {r for _, r in passes}}
+    in_passes = sum(curve[m] for m in tokens) + sum(lm[r] for _, r in passes)
+    rate = matmul_gflops(model.embed_tokens.weight.dtype) * 1e9
+    per_token = limits.layer_flops_per_token(model)
+    # No pass beats the best rate seen: the big matmul's or any measured point's.
+    best_rate = max(rate, max(m * per_token / t for m, t in curve.items()))
+    through_layers = sum(len(p) + n - 1 for p, n in zip(wl.prompts, wl.output_lens, strict=True))
+    layers_floor, floor_passes = limits.any_schedule_floor(
+        curve, per_token / best_rate, through_layers, max(wl.output_lens)
+    )
+    lm_head_flops = 2 * model.lm_head_weight().numel() * wl.output_tokens
+    floor = layers_floor + lm_head_flops / best_rate
+    params = sum(p.numel() for p in model.parameters())
+    flops = 2 * params * (wl.prompt_tokens + wl.output_tokens)
+    return {
+        "matmul_gflops_now": round(rate / 1e9, 1),
+        "layer_gemm_share_of_matmul_rate": {
+            str(m): round(m * per_token / curve[m] / rate, 3)
+            for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+            if m in curve
+        },
+        "paged_passes": len(passes),
+        "paged_gemm_seconds": round(in_passes, 2),
+        "paged_gemm_share": round(in_passes / paged_seconds, 3),
+        "paged_mfu_ceiling": round(flops / in_passes / rate, 4),
+        "min_passes": max(wl.output_lens),
+        "any_schedule_floor_s": round(floor, 2),
+        "any_schedule_floor_passes": floor_passes,
+        "any_schedule_mfu_ceiling": round(flops / floor / rate, 4),
     }
 
 
@@ -363,6 +421,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="skip serving the longest request alone (the workload's floor)",
     )
+    ap.add_argument(
+        "--no-gemm-limits",
+        action="store_true",
+        help="skip timing the model's GEMMs alone (the floor for any schedule)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -413,14 +476,19 @@ def main(argv: list[str] | None = None) -> int:
     for name in systems:
         say(f"running {name} ...")
         if name == "paged":
+            passes: list[tuple[int, int]] = []
             results[name], timelines[name] = run_pagedinfer(
-                name, wl, base, params, gflops, engine, warm
+                name, wl, base, params, gflops, engine, warm, passes
             )
             if not args.no_critical_path:
                 # Right after: the machines' speed drifts, and the floor is compared with it.
                 say("running critical_path ...")
                 results["critical_path"] = critical_path(wl, base, params, gflops, engine)
                 say(json.dumps(results["critical_path"]))
+            if not args.no_gemm_limits:
+                say("timing the model's GEMMs alone ...")
+                results["gemm_limits"] = gemm_limits(wl, engine, passes, results[name]["seconds"])
+                say(json.dumps(results["gemm_limits"]))
         elif name == "contiguous":
             cfg = EngineConfig(**{**base.__dict__, "allocation_policy": "contiguous"})
             results[name], timelines[name] = run_pagedinfer(
@@ -463,6 +531,13 @@ def main(argv: list[str] | None = None) -> int:
                 cp[f"max_speedup_vs_{name}"] = round(seconds / cp["seconds"], 2)
                 cp[f"physical_max_speedup_vs_{name}"] = round(
                     seconds / cp["weight_read_floor_s"], 2
+                )
+    if "gemm_limits" in results:
+        gl = results["gemm_limits"]
+        for name in ("paged", "hf_static", "hf_continuous"):
+            if name in results:
+                gl[f"max_speedup_vs_{name}"] = round(
+                    results[name]["seconds"] / gl["any_schedule_floor_s"], 2
                 )
     ratios = {}
     for a, b in (("paged", "hf_static"), ("paged", "hf_continuous"), ("paged", "contiguous")):
