@@ -243,20 +243,34 @@ def gemm_limits(
     """
     model = engine.runner.model
     tokens = [m for m, _ in passes]
-    grid = set(tokens) | {2**i for i in range(12) if 2**i <= max(tokens)}
-    curve = limits.gemm_curve(model, grid)
-    lm = {rows: limits.lm_head_seconds(model, rows) for rows in {r for _, r in passes}}
-    in_passes = sum(curve[m] for m in tokens) + sum(lm[r] for _, r in passes)
+    rows = [r for _, r in passes if r]
+
+    def grid(counts: list[int]) -> set[int]:
+        return set(counts) | {2**i for i in range(12) if 2**i <= max(counts)}
+
+    curve = limits.gemm_curve(model, grid(tokens))
+    lm_curve = {r: limits.lm_head_seconds(model, r) for r in sorted(grid(rows))}
+    in_passes = sum(curve[m] for m in tokens) + sum(lm_curve[r] for r in rows)
     rate = matmul_gflops(model.embed_tokens.weight.dtype) * 1e9
+
+    def per_unit_floor(flops_per_unit: int, measured: dict[int, float]) -> float:
+        # No pass beats the best rate seen: the big matmul's or any measured point's.
+        best = max(rate, max(n * flops_per_unit / t for n, t in measured.items()))
+        return flops_per_unit / best
+
     per_token = limits.layer_flops_per_token(model)
-    # No pass beats the best rate seen: the big matmul's or any measured point's.
-    best_rate = max(rate, max(m * per_token / t for m, t in curve.items()))
+    per_row = 2 * model.lm_head_weight().numel()
+    longest = max(wl.output_lens)
+    # Through the layers: every prompt token and every output token but each request's last.
     through_layers = sum(len(p) + n - 1 for p, n in zip(wl.prompts, wl.output_lens, strict=True))
     layers_floor, floor_passes = limits.any_schedule_floor(
-        curve, per_token / best_rate, through_layers, max(wl.output_lens)
+        curve, per_unit_floor(per_token, curve), through_layers, longest
     )
-    lm_head_flops = 2 * model.lm_head_weight().numel() * wl.output_tokens
-    floor = layers_floor + lm_head_flops / best_rate
+    # The LM head: one row per output token, in at least `longest` passes as well.
+    lm_floor, _ = limits.any_schedule_floor(
+        lm_curve, per_unit_floor(per_row, lm_curve), wl.output_tokens, longest
+    )
+    floor = layers_floor + lm_floor
     params = sum(p.numel() for p in model.parameters())
     flops = 2 * params * (wl.prompt_tokens + wl.output_tokens)
     return {
@@ -270,8 +284,9 @@ def gemm_limits(
         "paged_gemm_seconds": round(in_passes, 2),
         "paged_gemm_share": round(in_passes / paged_seconds, 3),
         "paged_mfu_ceiling": round(flops / in_passes / rate, 4),
-        "min_passes": max(wl.output_lens),
+        "min_passes": longest,
         "any_schedule_floor_s": round(floor, 2),
+        "any_schedule_lm_head_floor_s": round(lm_floor, 2),
         "any_schedule_floor_passes": floor_passes,
         "any_schedule_mfu_ceiling": round(flops / floor / rate, 4),
     }
