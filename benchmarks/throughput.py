@@ -344,16 +344,18 @@ def run_hf_continuous(
     model,
     params: int,
     gflops: float,
-    kv_blocks: int,
+    kv_tokens: int,
     warmup: Workload | None = None,
 ) -> dict:
+    """kv_tokens: the KV budget in tokens, the same as pagedinfer's, in HF's own pages."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     gen = GenerationConfig(
         do_sample=False, max_new_tokens=max(wl.output_lens), eos_token_id=-1, pad_token_id=0
     )
-    cb = ContinuousBatchingConfig(num_blocks=kv_blocks, max_batch_tokens=512)
+    page = ContinuousBatchingConfig().page_size
+    cb = ContinuousBatchingConfig(num_blocks=max(1, kv_tokens // page), max_batch_tokens=512)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     manager.start()
 
@@ -520,7 +522,8 @@ def main(argv: list[str] | None = None) -> int:
                     wl, hf, params, gflops, args.hf_batch, engine.tokenizer.eos_token_id or 0, warm
                 )
             else:
-                results[name] = run_hf_continuous(wl, hf, params, gflops, engine.num_blocks, warm)
+                kv_tokens = engine.num_blocks * base.block_size
+                results[name] = run_hf_continuous(wl, hf, params, gflops, kv_tokens, warm)
         say(json.dumps(results[name]))
     if args.prefix_requests:
         pwl = shared_prefix_workload(args.prefix_requests, vocab, args.seed, args.prefix_len, 16)

@@ -42,15 +42,19 @@ def write_kv(
     slot_mapping: torch.Tensor,
     *,
     check_values: bool = True,
+    validate: bool = True,
 ) -> None:
     """Write the new tokens' keys and values into the paged cache, in place.
 
     key, value: `[num_tokens, num_kv_heads, head_dim]`, the cache's dtype.
     slot_mapping: int64 (int32 accepted) `[num_tokens]`; -1 skips the token (padding).
     check_values=False skips the checks that read slot_mapping (a host sync on GPU).
+    validate=False skips every check: for a caller that validated the same batch already
+    (a model's later layers, whose tensors match the first layer's).
     Raises ValueError naming the argument on bad input.
     """
-    check_write_kv(key, value, k_cache, v_cache, slot_mapping, check_values)
+    if validate:
+        check_write_kv(key, value, k_cache, v_cache, slot_mapping, check_values)
     backend = _triton_ops() if use_triton(k_cache) else torch_ops
     backend.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
@@ -66,6 +70,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     *,
     check_values: bool = True,
+    validate: bool = True,
     plan: torch_ops.AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of the packed new tokens over their paged contexts; returns out.
@@ -80,14 +85,24 @@ def paged_attention(
     GQA: num_heads is a multiple of num_kv_heads; query head h reads KV head
     h // (num_heads // num_kv_heads). out, if given, has query's shape and dtype.
     check_values=False skips the checks that read the index tensors (a host sync on
-    GPU); shape, dtype and device are always checked.
+    GPU); shape, dtype and device are checked unless validate=False, which skips every
+    check (for a caller that validated the same batch already, as in `write_kv`).
     plan: for the torch path, `torch_ops.plan_attention` of this batch, so that the
     layers of one forward share the batch's bookkeeping; the Triton kernels ignore it.
     Raises ValueError naming the argument on bad input.
     """
-    check_paged_attention(
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out, check_values
-    )
+    if validate:
+        check_paged_attention(
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            out,
+            check_values,
+        )
     args = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale), out)
     if use_triton(query):
         return _triton_ops().paged_attention(*args)

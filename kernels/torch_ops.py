@@ -200,7 +200,9 @@ def paged_attention(
     dtype = compute_dtype(query.dtype, k_cache.dtype)
     for g in plan.groups:
         key, value = _gather_context(k_cache, v_cache, g, dtype)
-        q = query.index_select(0, g.query_rows).to(dtype)
+        q = query.index_select(0, g.query_rows)
+        if q.dtype != dtype:  # a no-op .to() still costs a dispatch: skipped per layer
+            q = q.to(dtype)
         q = q.view(g.num_seqs, g.max_new, num_heads, head_dim)
         mask = g.mask_in(dtype)
         if g.decode:
@@ -210,7 +212,7 @@ def paged_attention(
         o = o.reshape(g.num_seqs * g.max_new, num_heads, head_dim)
         if g.valid is not None:
             o = o.index_select(0, g.valid)
-        out.index_copy_(0, g.out_rows, o.to(out.dtype))
+        out.index_copy_(0, g.out_rows, o if o.dtype == out.dtype else o.to(out.dtype))
     return out
 
 

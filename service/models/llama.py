@@ -20,6 +20,7 @@ from torch import nn
 
 from pagedinfer import kernels
 from pagedinfer.kernels import torch_ops
+from pagedinfer.kernels.validation import check_paged_attention
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -80,6 +81,9 @@ class AttentionMetadata:
     # The CPU kernel's grouping, indices and masks: the same for every layer, so they
     # are built by the first layer's call and reused by the others.
     cpu_plan: torch_ops.AttentionPlan | None = None
+    # Set once the first layer's kernel calls have checked the batch: the later layers'
+    # tensors match in shape, dtype and device, so their calls skip the checks.
+    validated: bool = False
 
     def torch_plan(self, block_size: int) -> torch_ops.AttentionPlan:
         if self.cpu_plan is None or self.cpu_plan.block_size != block_size:
@@ -260,6 +264,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        # For the CPU path; on the CPU whatever device the model is built on (meta first).
+        self._eps = torch.tensor(eps, dtype=torch.float32, device="cpu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # In fp32, rounded once at the end for 16-bit input (Hugging Face rounds after
@@ -268,11 +274,15 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
         # On CPU, rms_norm runs as separate passes: one fused vector_norm reduction and
         # two multiplies are 10x faster at 512 tokens (75 vs 756 us, fp32) and as fast
-        # at one token.
-        xf = x.float()
+        # at one token. At decode sizes each op's dispatch is most of its cost, so no-op
+        # conversions are skipped and mean(x^2) + eps is one addcmul.
+        fp32 = x.dtype == torch.float32
+        xf = x if fp32 else x.float()
         norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
-        scale = norm.square_().div_(x.shape[-1]).add_(self.eps).rsqrt_()
-        return (xf * scale).mul_(self.weight.float()).to(x.dtype)
+        scale = torch.addcmul(self._eps, norm, norm, value=1.0 / x.shape[-1]).rsqrt_()
+        weight = self.weight if self.weight.dtype == torch.float32 else self.weight.float()
+        out = (xf * scale).mul_(weight)
+        return out if fp32 else out.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -311,21 +321,25 @@ class Attention(nn.Module):
             num_tokens, self.num_kv_heads, self.head_dim
         )
         k_cache, v_cache = kv_cache
-        # The model runner built valid metadata: skip the checks that read index tensors.
-        kernels.write_kv(key, value, k_cache, v_cache, attn.slot_mapping, check_values=False)
-        # On CPU the layers of one forward share the batch's attention plan.
-        plan = None if kernels.use_triton(k_cache) else attn.torch_plan(k_cache.shape[1])
-        out = kernels.paged_attention(
-            query,
+        # The model runner built valid metadata: skip the checks that read index tensors,
+        # and all checks after the first layer's.
+        validate = not attn.validated
+        kernels.write_kv(
+            key,
+            value,
             k_cache,
             v_cache,
-            attn.block_tables,
-            attn.seq_lens,
-            attn.query_start_loc,
-            self.scale,
+            attn.slot_mapping,
             check_values=False,
-            plan=plan,
+            validate=validate,
         )
+        args = (query, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc)
+        if validate:  # before the plan is built from the metadata
+            check_paged_attention(*args, self.scale, None, check_values=False)
+        # On CPU the layers of one forward share the batch's attention plan.
+        plan = None if kernels.use_triton(k_cache) else attn.torch_plan(k_cache.shape[1])
+        out = kernels.paged_attention(*args, self.scale, validate=False, plan=plan)
+        attn.validated = True
         self.o_proj.add_into(residual, out.view(num_tokens, self.q_size))
 
 

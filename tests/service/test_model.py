@@ -211,6 +211,29 @@ def test_logits_only_for_requested_rows(default_model: LoadedModel) -> None:
     assert logits.dtype == torch.float32
 
 
+def test_batch_is_checked_once_by_the_first_layer(default_model: LoadedModel) -> None:
+    """The kernels check a forward's batch on the first layer only; bad metadata is still
+    refused with the argument named, and a good batch leaves the metadata marked checked."""
+    cache = PagedCache(default_model.config, 1, 8)
+    tokens = torch.tensor([1, 2, 3])
+
+    def metadata(seq_lens: torch.Tensor) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=cache.block_tables[0, 0].long() * BLOCK_SIZE + torch.arange(3),
+            block_tables=cache.block_tables[:1],
+            seq_lens=seq_lens,
+            query_start_loc=torch.tensor([0, 3], dtype=torch.int32),
+        )
+
+    bad = metadata(torch.tensor([3, 3], dtype=torch.int32))  # two lengths for one sequence
+    with pytest.raises(ValueError, match="block_tables"):
+        default_model.model(tokens, torch.arange(3), cache.kv_caches, bad, torch.tensor([2]))
+    assert not bad.validated
+    good = metadata(torch.tensor([3], dtype=torch.int32))
+    default_model.model(tokens, torch.arange(3), cache.kv_caches, good, torch.tensor([2]))
+    assert good.validated
+
+
 @pytest.mark.parametrize(
     ("preset", "overrides"),
     [
