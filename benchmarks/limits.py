@@ -51,26 +51,19 @@ def layer_gemm_seconds(model, tokens: int, repeats: int = 3) -> float:
 
     def run() -> None:
         for layer in model.layers:
-            layer.self_attn.qkv_proj(x)
-            layer.self_attn.o_proj.add_into(residual, attn_out)
-            layer.mlp.gate_up_proj(x)
-            layer.mlp.down_proj.add_into(residual, act)
+            qkv, o, gate_up, down = layer.linears()
+            qkv(x)
+            o.add_into(residual, attn_out)
+            gate_up(x)
+            down.add_into(residual, act)
 
     return _best_time(run, repeats)
 
 
 def layer_flops_per_token(model) -> int:
     """2 x the weights of the layer GEMMs: their FLOPs for one token."""
-    total = 0
-    for layer in model.layers:
-        for linear in (
-            layer.self_attn.qkv_proj,
-            layer.self_attn.o_proj,
-            layer.mlp.gate_up_proj,
-            layer.mlp.down_proj,
-        ):
-            total += linear.weight.numel()  # on the meta device when packed: shape only
-    return 2 * total
+    # A packed weight's dense copy is on the meta device: its shape is still there.
+    return 2 * sum(linear.weight.numel() for layer in model.layers for linear in layer.linears())
 
 
 @torch.inference_mode()

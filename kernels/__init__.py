@@ -91,19 +91,10 @@ def paged_attention(
     layers of one forward share the batch's bookkeeping; the Triton kernels ignore it.
     Raises ValueError naming the argument on bad input.
     """
+    tensors = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     if validate:
-        check_paged_attention(
-            query,
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            scale,
-            out,
-            check_values,
-        )
-    args = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, float(scale), out)
+        check_paged_attention(*tensors, scale, out, check_values)
+    args = (*tensors, float(scale), out)
     if use_triton(query):
         return _triton_ops().paged_attention(*args)
     return torch_ops.paged_attention(*args, plan=plan)

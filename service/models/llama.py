@@ -367,6 +367,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
+    def linears(self) -> tuple[Linear, Linear, Linear, Linear]:
+        """The layer's GEMMs, in the order they run: q/k/v, o, gate/up, down."""
+        attn, mlp = self.self_attn, self.mlp
+        return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -408,12 +413,7 @@ class LlamaModel(nn.Module):
         which the token lookup still reads densely.
         """
         for layer in self.layers:
-            for linear in (
-                layer.self_attn.qkv_proj,
-                layer.self_attn.o_proj,
-                layer.mlp.gate_up_proj,
-                layer.mlp.down_proj,
-            ):
+            for linear in layer.linears():
                 linear.pack()
         self.lm_head_packed = pack_weight(self.lm_head_weight())
         if self.lm_head is not None:
