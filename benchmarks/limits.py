@@ -4,8 +4,9 @@ Everything here times the model's own weights through its own GEMM code (the eng
 `Linear` modules and LM head, packed or not as the engine runs them), with nothing else
 in the way: no attention, norms, sampling or Python around them.
 
-- `schedule_gemm_seconds`: the GEMMs of a given run's forward passes, replayed at their
-  token counts. The rest of that run's time is everything else the engine does.
+- `gemm_curve` and `lm_head_seconds`: the layer GEMMs of one forward pass at a token
+  count, and the LM head at a row count. Replayed at a run's own passes, they give the
+  part of that run that was GEMMs; the rest is everything else the engine does.
 - `any_schedule_floor`: a lower bound on the time any engine needs for a workload on
   this machine's matmul library, whatever its schedule. A workload whose longest
   request has `o` output tokens needs at least `o` forward passes, one after another,
@@ -15,8 +16,8 @@ in the way: no attention, norms, sampling or Python around them.
   more rows never cost less (`t` is non-decreasing between measured points), and no
   pass beats the best GEMM rate seen (the 2048^3 matmul or any measured point). By
   Jensen's inequality K passes carrying N tokens cost at least `K * g(N / K)`; the floor
-  is the least of that over every K from `o` to N. The LM head is added at the best
-  rate (its FLOPs for one row per output token).
+  is the least of that over every K from `o` to N. The same bound applies to the LM
+  head, with one row per output token.
 """
 
 from __future__ import annotations

@@ -142,15 +142,25 @@ def run_pagedinfer(
     engine = engine or LLMEngine(config)
     if warmup is not None:
         run_pagedinfer("warmup", warmup, config, params, gflops, engine)
-    if passes is not None:
-        execute = engine.runner.execute
+    if passes is None:
+        return _serve(name, wl, params, gflops, engine)
+    execute = engine.runner.execute
 
-        def recording(out):
-            result = execute(out)
-            passes.append((out.num_batched_tokens, result.logits.shape[0]))
-            return result
+    def recording(out):
+        result = execute(out)
+        passes.append((out.num_batched_tokens, result.logits.shape[0]))
+        return result
 
-        engine.runner.execute = recording
+    engine.runner.execute = recording
+    try:
+        return _serve(name, wl, params, gflops, engine)
+    finally:
+        del engine.runner.execute  # back to the class's method
+
+
+def _serve(
+    name: str, wl: Workload, params: int, gflops: float, engine: LLMEngine
+) -> tuple[dict, list]:
     before = engine.stats()
     start = time.perf_counter()
     first: dict[str, float] = {}
@@ -172,8 +182,6 @@ def run_pagedinfer(
             if d.finish_reason is not None:
                 done[d.request_id] = now
     elapsed = time.perf_counter() - start
-    if passes is not None:
-        del engine.runner.execute  # back to the class's method
     ttfts = [first[r] for r in ids]
     tpots = [
         (done[r] - first[r]) / (n - 1) for r, n in zip(ids, wl.output_lens, strict=True) if n > 1
