@@ -29,6 +29,8 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
+from pagedinfer.service.models.llama import packed_linear
+
 
 def _best_time(fn, repeats: int) -> float:
     fn()  # warm: first-touch allocations, kernel selection
@@ -72,8 +74,6 @@ def lm_head_seconds(model, rows: int, repeats: int = 3) -> float:
     """The vocabulary projection of `rows` hidden states, as the model computes it."""
     hidden = torch.randn(rows, model.config.hidden_size, dtype=model.embed_tokens.weight.dtype)
     if model.lm_head_packed is not None:
-        from pagedinfer.service.models.llama import packed_linear
-
         return _best_time(lambda: packed_linear(hidden, model.lm_head_packed, None), repeats)
     weight = model.lm_head_weight()
     return _best_time(lambda: F.linear(hidden, weight), repeats)
