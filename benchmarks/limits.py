@@ -1,33 +1,49 @@
-"""What the model's GEMMs alone cost on this machine, and the floors on run time that follow.
+"""What the model's GEMMs cost on this machine, and the floors on run time that follow.
 
-Everything here times the model's own weights through its own GEMM code (the engine's
-`Linear` modules and LM head, packed or not as the engine runs them), with nothing else
-in the way: no attention, norms, sampling or Python around them.
+Everything here times the model's own weights through this machine's matmul library
+(MKL and oneDNN, through torch), with nothing else in the way: no attention, norms,
+sampling or Python around them.
 
 - `gemm_curve` and `lm_head_seconds`: the layer GEMMs of one forward pass at a token
-  count, and the LM head at a row count. Replayed at a run's own passes, they give the
-  part of that run that was GEMMs; the rest is everything else the engine does.
-- `any_schedule_floor`: a lower bound on the time any engine needs for a workload on
-  this machine's matmul library, whatever its schedule. A workload whose longest
-  request has `o` output tokens needs at least `o` forward passes, one after another,
-  and all passes together carry every prompt token and every output token but each
-  request's last. Each pass costs at least its GEMMs at its token count. From the
-  measured times `t(m)` a convex function `g <= t` is built on two assumptions only:
-  more rows never cost less (`t` is non-decreasing between measured points), and no
-  pass beats the best GEMM rate seen (the 2048^3 matmul or any measured point). By
-  Jensen's inequality K passes carrying N tokens cost at least `K * g(N / K)`; the floor
-  is the least of that over every K from `o` to N. The same bound applies to the LM
-  head, with one row per output token.
+  count, and the LM head at a row count, through the engine's own code (`Linear`
+  modules, packed or not as the engine runs them). Replayed at a run's own passes, they
+  give the part of that run that was GEMMs; the rest is everything else the engine does.
+- `best_gemm_curve` and `best_lm_head_curve`: the same GEMMs in the fastest form the
+  library offers at each size, whichever an engine could choose (either weight layout,
+  either operand order, MKL- or oneDNN-packed weights for that batch size).
+- `schedule_floor`: a lower bound on the GEMM time of any engine that decodes one token
+  per sequence per forward pass (no speculative decoding), whatever its schedule.
+
+Why the floor holds. Request r has p_r prompt tokens and o_r output tokens. Its prompt
+goes through the layers in chunks; its first output token comes from the last chunk's
+pass and each later one needs a pass of its own that carries the previous token, so its
+o_r - 1 decode tokens sit in distinct passes. The most decode tokens any k passes can
+hold is then sum_j<=k c_j, with c_j = #{r : o_r - 1 >= j} (Gale-Ryser), and prompt
+tokens add at most P = sum p_r. So the tokens per pass, sorted, are majorized by
+`token_profile` = (c_1 + P, c_2, c_3, ...): every schedule spreads its tokens at least
+as evenly as that profile. Likewise the LM head's rows (one per output token, each
+request's in distinct passes) are majorized by `row_profile` = (e_1, e_2, ...), with
+e_j = #{r : o_r >= j}.
+
+A pass of m rows costs at least s(m): the measured time at the largest measured size
+<= m, taken no larger than any measured time above it (more rows never cost less; a
+measurement that breaks that is trusted at its lower value), and never less than m rows
+at the best rate seen. For any concave g with g(0) = 0 and g <= s, Karamata's
+inequality gives sum_j s(m_j) >= sum_j g(m_j) >= sum_j g(profile_j) for every schedule.
+`schedule_floor` finds the concave g that makes the right-hand side largest (a linear
+program); where s is concave it is s itself and the floor is sum_j s(profile_j).
 """
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from scipy.optimize import linprog
+from scipy.sparse import diags
 
 from pagedinfer.service.models.llama import packed_linear
 
@@ -84,75 +100,146 @@ def gemm_curve(model, token_counts: Iterable[int], repeats: int = 3) -> dict[int
     return {m: layer_gemm_seconds(model, m, repeats) for m in sorted(set(token_counts))}
 
 
-def _lower_hull(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The lower convex hull of points sorted by x (monotone chain)."""
-    hull: list[tuple[float, float]] = []
-    for x, y in points:
-        while len(hull) >= 2:
-            (x1, y1), (x2, y2) = hull[-2], hull[-1]
-            # Drop the middle point when it lies on or above the chord.
-            if (x2 - x1) * (y - y1) - (y2 - y1) * (x - x1) <= 0:
-                hull.pop()
-            else:
-                break
-        hull.append((x, y))
-    return hull
+def gemm_forms(
+    weight: torch.Tensor, rows: int
+) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Every way this machine's library can compute x @ weight.T for x of `rows` rows.
+
+    weight: [out_features, in_features]. Each form returns the product as [rows, out]
+    (a transposed view where the library computes its transpose). The layouts an engine
+    could store are both made here, and packed weights are packed for this row count.
+    """
+    weight = weight.contiguous()
+    weight_io = weight.t().contiguous()
+    forms: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "x @ W^T": lambda x: torch.mm(x, weight.t()),
+        "(W @ x^T)^T": lambda x: torch.mm(weight, x.t()).t(),
+        "x @ W_io": lambda x: torch.mm(x, weight_io),
+        "(W_io^T @ x^T)^T": lambda x: torch.mm(weight_io.t(), x.t()).t(),
+    }
+    if weight.dtype == torch.float32 and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"):
+        mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+        forms["MKL packed"] = lambda x: torch.ops.mkl._mkl_linear(x, mkl, weight, None, rows)
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        onednn = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        forms["oneDNN packed"] = lambda x: packed_linear(x, onednn, None)
+    return forms
 
 
-def convex_minorant(
-    curve: dict[int, float], seconds_per_token: float, max_tokens: int
-) -> list[tuple[float, float]]:
-    """Breakpoints of a convex g <= t on [1, max_tokens] (see the module doc).
+def _fastest_form_seconds(weights: Sequence[torch.Tensor], rows: int, repeats: int) -> float:
+    """The least time, over the forms of `gemm_forms`, for x @ w.T with every w in turn."""
+    x = torch.randn(rows, weights[0].shape[1], dtype=weights[0].dtype)
+    per_weight = [gemm_forms(w, rows) for w in weights]
+    return min(
+        _best_time(lambda name=name: [forms[name](x) for forms in per_weight], repeats)
+        for name in per_weight[0]
+    )
 
-    curve: measured t(m), which must include m = 1. seconds_per_token: the least a token
-    can cost (the best GEMM rate seen). Between measured points the bound is the
-    staircase max(t(m_i), m * seconds_per_token), a piecewise-linear function whose
-    breakpoints are listed here; its lower convex hull lies below it.
+
+def _dense_layer_weights(model) -> list[list[torch.Tensor]] | None:
+    """Per GEMM kind (q/k/v, o, gate/up, down), every layer's weight [out, in]; None when
+    the engine packed them (their dense copies are gone)."""
+    kinds = list(zip(*(layer.linears() for layer in model.layers), strict=True))
+    if any(linear.packed is not None for kind in kinds for linear in kind):
+        return None
+    return [[linear.weight.t() for linear in kind] for kind in kinds]
+
+
+@torch.inference_mode()
+def best_gemm_curve(model, token_counts: Iterable[int], repeats: int = 3) -> dict[int, float]:
+    """One pass's layer GEMMs at each token count, each GEMM kind in its fastest form.
+
+    A model whose weights the engine packed (bf16 on a CPU with native bf16) keeps no
+    dense copy: its curve is the engine's own form (`gemm_curve`).
+    """
+    kinds = _dense_layer_weights(model)
+    if kinds is None:
+        return gemm_curve(model, token_counts, repeats)
+    return {
+        m: sum(_fastest_form_seconds(weights, m, repeats) for weights in kinds)
+        for m in sorted(set(token_counts))
+    }
+
+
+@torch.inference_mode()
+def best_lm_head_curve(model, row_counts: Iterable[int], repeats: int = 3) -> dict[int, float]:
+    """The LM head at each row count in its fastest form (the engine's when it packed it)."""
+    rows = sorted(set(row_counts))
+    if model.lm_head_packed is not None:
+        return {r: lm_head_seconds(model, r, repeats) for r in rows}
+    weight = model.lm_head_weight()
+    return {r: _fastest_form_seconds([weight], r, repeats) for r in rows}
+
+
+def token_profile(prompt_lens: Sequence[int], output_lens: Sequence[int]) -> list[int]:
+    """The profile that majorizes every schedule's tokens per forward pass (module doc)."""
+    _check_lengths(prompt_lens, output_lens)
+    longest = max(output_lens)
+    profile = [sum(1 for o in output_lens if o - 1 >= j) for j in range(1, longest)]
+    prompts = sum(prompt_lens)
+    return [profile[0] + prompts, *profile[1:]] if profile else [prompts]
+
+
+def row_profile(output_lens: Sequence[int]) -> list[int]:
+    """The profile that majorizes every schedule's LM-head rows per pass (module doc)."""
+    _check_lengths([1] * len(output_lens), output_lens)
+    return [sum(1 for o in output_lens if o >= j) for j in range(1, max(output_lens) + 1)]
+
+
+def _check_lengths(prompt_lens: Sequence[int], output_lens: Sequence[int]) -> None:
+    if not output_lens or len(prompt_lens) != len(output_lens):
+        raise ValueError(
+            f"need one prompt length per output length, and at least one request "
+            f"(got {len(prompt_lens)} and {len(output_lens)})"
+        )
+    if min(prompt_lens) < 1 or min(output_lens) < 1:
+        raise ValueError("every request needs at least one prompt token and one output token")
+
+
+def staircase(curve: dict[int, float], seconds_per_unit: float, upto: int) -> np.ndarray:
+    """s[m] for m = 0..upto: the least a pass of m rows can cost (module doc); s[0] = 0.
+
+    curve: measured seconds at some row counts, including 1. seconds_per_unit: the
+    least one row can cost (at the best rate seen).
     """
     if 1 not in curve:
-        raise ValueError("the curve must include one token per pass (m = 1)")
-    ms = sorted(m for m in curve if m <= max_tokens)
-    points: list[tuple[float, float]] = []
-    for i, m in enumerate(ms):
-        floor = curve[m]
-        end = ms[i + 1] - 1 if i + 1 < len(ms) else max_tokens
-        points.append((m, max(floor, m * seconds_per_token)))
-        crossing = floor / seconds_per_token  # where the rate line meets the step
-        if m < crossing < end:
-            points.append((crossing, floor))
-        if end > m:
-            points.append((end, max(floor, end * seconds_per_token)))
-    return _lower_hull(points)
+        raise ValueError("the curve must include one row per pass (m = 1)")
+    measured = sorted(curve)
+    # More rows never cost less: a measured time above a point caps what it may claim.
+    capped, lowest = {}, float("inf")
+    for m in reversed(measured):
+        lowest = min(lowest, curve[m])
+        capped[m] = lowest
+    s = np.zeros(upto + 1)
+    below = 0
+    for m in range(1, upto + 1):
+        while below + 1 < len(measured) and measured[below + 1] <= m:
+            below += 1
+        s[m] = max(capped[measured[below]], m * seconds_per_unit)
+    return s
 
 
-def _evaluate(hull: list[tuple[float, float]], x: float) -> float:
-    for (x1, y1), (x2, y2) in itertools.pairwise(hull):
-        if x1 <= x <= x2:
-            return y1 + (y2 - y1) * (x - x1) / (x2 - x1)
-    if x <= hull[0][0]:
-        return hull[0][1]
-    raise ValueError(f"{x} is beyond the curve's last point {hull[-1][0]}")
+def schedule_floor(costs: np.ndarray, profile: Sequence[int]) -> float:
+    """The largest sum_j g(profile_j) over concave g with g(0) = 0 and g <= costs.
 
-
-def any_schedule_floor(
-    curve: dict[int, float],
-    seconds_per_token: float,
-    total_tokens: int,
-    min_passes: int,
-) -> tuple[float, int]:
-    """(least layer-GEMM seconds of any schedule, the number of passes that attains it).
-
-    total_tokens: tokens through the layers over the whole workload; min_passes: the
-    longest request's output tokens. See the module doc for why this bounds every engine.
+    costs: s[0..M] from `staircase`, M at least the profile's largest entry. By the
+    module doc this is at most the GEMM time of any schedule whose passes the profile
+    majorizes.
     """
-    if not 1 <= min_passes <= total_tokens:
-        raise ValueError(
-            f"min_passes ({min_passes}) must be between 1 and total_tokens ({total_tokens})"
-        )
-    hull = convex_minorant(curve, seconds_per_token, total_tokens)
-    best, best_k = float("inf"), min_passes
-    for k in range(min_passes, total_tokens + 1):
-        value = k * _evaluate(hull, total_tokens / k)
-        if value < best:
-            best, best_k = value, k
-    return best, best_k
+    if not profile or min(profile) < 1:
+        raise ValueError("the profile needs at least one pass, each of at least one row")
+    top = max(profile)
+    if top >= len(costs):
+        raise ValueError(f"the costs stop at {len(costs) - 1} rows; the profile needs {top}")
+    n = top + 1
+    if n == 2:
+        return len(profile) * float(costs[1])
+    weight = np.bincount(np.asarray(profile), minlength=n).astype(float)
+    # Concave: g(m - 1) - 2 g(m) + g(m + 1) <= 0 for every inner m. In milliseconds, so
+    # the solver's absolute tolerances are far below the figures.
+    concave = diags([1.0, -2.0, 1.0], [0, 1, 2], shape=(n - 2, n))
+    bounds = [(0.0, 0.0)] + [(None, 1e3 * float(costs[m])) for m in range(1, n)]
+    result = linprog(-weight, A_ub=concave, b_ub=np.zeros(n - 2), bounds=bounds, method="highs")
+    if result.status != 0:
+        raise RuntimeError(f"the floor's linear program failed: {result.message}")
+    return -result.fun / 1e3

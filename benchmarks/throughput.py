@@ -259,43 +259,60 @@ def gemm_limits(
     curve = limits.gemm_curve(model, grid(tokens))
     lm_curve = {r: limits.lm_head_seconds(model, r) for r in sorted(grid(rows))}
     in_passes = sum(curve[m] for m in tokens) + sum(lm_curve[r] for r in rows)
+
+    # The floor: every row count up to 32 (where the times move most), then a sparser
+    # grid; past the largest point measured, the best rate's line bounds the cost.
+    token_profile = limits.token_profile([len(p) for p in wl.prompts], wl.output_lens)
+    row_profile = limits.row_profile(wl.output_lens)
+    sparse = (40, 48, 64, 96, 128, 192, 256, 384, 512)
+
+    def floor_grid(largest: int) -> list[int]:
+        return [m for m in (*range(1, 33), *sparse) if m <= largest]
+
+    best = limits.best_gemm_curve(model, floor_grid(max(token_profile)))
+    # The largest points once each: they take seconds, and vary little.
+    big = [m for m in (1024, 2048) if m <= max(token_profile)]
+    best.update(limits.best_gemm_curve(model, big, repeats=1))
+    best_lm = limits.best_lm_head_curve(model, floor_grid(max(row_profile)))
     rate = matmul_gflops(model.embed_tokens.weight.dtype) * 1e9
 
     def per_unit_floor(flops_per_unit: int, measured: dict[int, float]) -> float:
         # No pass beats the best rate seen: the big matmul's or any measured point's.
-        best = max(rate, max(n * flops_per_unit / t for n, t in measured.items()))
-        return flops_per_unit / best
+        fastest = max(rate, max(n * flops_per_unit / t for n, t in measured.items()))
+        return flops_per_unit / fastest
 
     per_token = limits.layer_flops_per_token(model)
     per_row = 2 * model.lm_head_weight().numel()
-    longest = max(wl.output_lens)
-    # Through the layers: every prompt token and every output token but each request's last.
-    through_layers = sum(len(p) + n - 1 for p, n in zip(wl.prompts, wl.output_lens, strict=True))
-    layers_floor, floor_passes = limits.any_schedule_floor(
-        curve, per_unit_floor(per_token, curve), through_layers, longest
+    layers_floor = limits.schedule_floor(
+        limits.staircase(best, per_unit_floor(per_token, best), max(token_profile)),
+        token_profile,
     )
-    # The LM head: one row per output token, in at least `longest` passes as well.
-    lm_floor, _ = limits.any_schedule_floor(
-        lm_curve, per_unit_floor(per_row, lm_curve), wl.output_tokens, longest
+    lm_floor = limits.schedule_floor(
+        limits.staircase(best_lm, per_unit_floor(per_row, best_lm), max(row_profile)),
+        row_profile,
     )
     floor = layers_floor + lm_floor
     params = sum(p.numel() for p in model.parameters())
     flops = 2 * params * (wl.prompt_tokens + wl.output_tokens)
+
+    def shares(measured: dict[int, float]) -> dict[str, float]:
+        return {
+            str(m): round(m * per_token / measured[m] / rate, 3)
+            for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+            if m in measured
+        }
+
     return {
         "matmul_gflops_now": round(rate / 1e9, 1),
-        "layer_gemm_share_of_matmul_rate": {
-            str(m): round(m * per_token / curve[m] / rate, 3)
-            for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-            if m in curve
-        },
+        "layer_gemm_share_of_matmul_rate": shares(curve),
+        "best_form_layer_gemm_share_of_matmul_rate": shares(best),
         "paged_passes": len(passes),
         "paged_gemm_seconds": round(in_passes, 2),
         "paged_gemm_share": round(in_passes / paged_seconds, 3),
         "paged_mfu_ceiling": round(flops / in_passes / rate, 4),
-        "min_passes": longest,
+        "min_passes": len(row_profile),
         "any_schedule_floor_s": round(floor, 2),
         "any_schedule_lm_head_floor_s": round(lm_floor, 2),
-        "any_schedule_floor_passes": floor_passes,
         "any_schedule_mfu_ceiling": round(flops / floor / rate, 4),
     }
 

@@ -33,6 +33,7 @@ from pagedinfer.service.models.llama import (
     Linear,
     LlamaModel,
     ModelConfig,
+    cpu_mkl_packing_available,
     cpu_weight_packing_available,
 )
 
@@ -231,6 +232,8 @@ def load_model(
     module.eval()
     if cpu_weight_packing_available(device, dtype):
         module.pack_weights()
+    elif cpu_mkl_packing_available(device, dtype):
+        module.pack_weights_mkl()
 
     tokenizer = _load_tokenizer(path)
     if not config.eos_token_ids:

@@ -15,6 +15,7 @@ from pagedinfer.service.models.llama import (
     AttentionMetadata,
     LlamaModel,
     ModelConfig,
+    cpu_mkl_packing_available,
     cpu_weight_packing_available,
 )
 
@@ -177,6 +178,34 @@ def test_packed_bfloat16_weights_compute_what_dense_ones_do(
         top2 = e.topk(2, dim=-1).values
         clear = top2[:, 0] - top2[:, 1] > 1.0
         assert torch.equal(a.argmax(-1)[clear], e.argmax(-1)[clear])
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}],
+    ids=["untied", "biases-tied"],
+)
+def test_mkl_packed_fp32_weights_compute_what_dense_ones_do(
+    make_tiny_model: Callable[..., Path], overrides: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One packed weight serves every batch size, one token (the dense weight) included."""
+    cpu = torch.device("cpu")
+    if not cpu_mkl_packing_available(cpu, torch.float32):
+        pytest.skip("torch was built without MKL: fp32 weights stay dense")
+    path = make_tiny_model("llama", **overrides)
+    packed = load_model(str(path), cpu, torch.float32)
+    qkv = packed.model.layers[0].self_attn.qkv_proj
+    assert qkv.mkl is not None and not qkv.weight.is_meta
+    assert packed.model.lm_head_mkl is not None
+    monkeypatch.setattr(loader, "cpu_mkl_packing_available", lambda *_: False)
+    dense = load_model(str(path), cpu, torch.float32)
+    assert dense.model.layers[0].self_attn.qkv_proj.mkl is None
+    gen = torch.Generator().manual_seed(3)
+    # Batches of 1, 2, 5, 40 and 300 tokens: below, at and above the packing's batch size.
+    for lengths in ([1], [2], [3, 2], [40], [150, 100, 50]):
+        tokens = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in lengths]
+        for a, b in zip(our_logits(packed, tokens), our_logits(dense, tokens), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_chunked_prefill_and_decode_equal_one_shot(
