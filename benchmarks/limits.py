@@ -41,7 +41,6 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from scipy.optimize import linprog
 from scipy.sparse import diags
 
@@ -89,10 +88,7 @@ def layer_flops_per_token(model) -> int:
 def lm_head_seconds(model, rows: int, repeats: int = 3) -> float:
     """The vocabulary projection of `rows` hidden states, as the model computes it."""
     hidden = torch.randn(rows, model.config.hidden_size, dtype=model.embed_tokens.weight.dtype)
-    if model.lm_head_packed is not None:
-        return _best_time(lambda: packed_linear(hidden, model.lm_head_packed, None), repeats)
-    weight = model.lm_head_weight()
-    return _best_time(lambda: F.linear(hidden, weight), repeats)
+    return _best_time(lambda: model.compute_logits(hidden), repeats)
 
 
 def gemm_curve(model, token_counts: Iterable[int], repeats: int = 3) -> dict[int, float]:

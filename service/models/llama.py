@@ -503,7 +503,10 @@ class LlamaModel(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, rope, kv_cache, attn)
         # Only the sampled rows need the final norm and the (large) vocabulary projection.
-        hidden = self.norm(hidden[logits_indices])
+        return self.compute_logits(self.norm(hidden[logits_indices]))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head: fp32 logits [S, vocab] of final-normed hidden states [S, hidden]."""
         if self.lm_head_packed is not None:
             return packed_linear(hidden, self.lm_head_packed, None).float()
         if self.lm_head_mkl is not None:  # faster at every row count, one included
