@@ -10,7 +10,8 @@ sampling or Python around them.
   give the part of that run that was GEMMs; the rest is everything else the engine does.
 - `best_gemm_curve` and `best_lm_head_curve`: the same GEMMs in the fastest form the
   library offers at each size, whichever an engine could choose (either weight layout,
-  either operand order, MKL- or oneDNN-packed weights for that batch size).
+  either operand order, MKL- or oneDNN-packed weights for that batch size), timed from
+  a dense copy of the model.
 - `schedule_floor`: a lower bound on the GEMM time of any engine that decodes one token
   per sequence per forward pass (no speculative decoding), whatever its schedule.
 
@@ -132,25 +133,28 @@ def _fastest_form_seconds(weights: Sequence[torch.Tensor], rows: int, repeats: i
     )
 
 
-def _dense_layer_weights(model) -> list[list[torch.Tensor]] | None:
-    """Per GEMM kind (q/k/v, o, gate/up, down), every layer's weight [out, in]; None when
-    the engine packed them (their dense copies are gone)."""
-    kinds = list(zip(*(layer.linears() for layer in model.layers), strict=True))
-    if any(linear.packed is not None for kind in kinds for linear in kind):
-        return None
-    return [[linear.weight.t() for linear in kind] for kind in kinds]
+def _require_dense(model) -> None:
+    packed = [
+        linear
+        for layer in model.layers
+        for linear in layer.linears()
+        if linear.packed is not None or linear.mkl is not None
+    ]
+    if packed or model.lm_head_packed is not None or model.lm_head_mkl is not None:
+        raise ValueError(
+            "the fastest forms are timed from dense weights: load the model with pack=False"
+        )
 
 
 @torch.inference_mode()
 def best_gemm_curve(model, token_counts: Iterable[int], repeats: int = 3) -> dict[int, float]:
-    """One pass's layer GEMMs at each token count, each GEMM kind in its fastest form.
-
-    A model whose weights the engine packed (bf16 on a CPU with native bf16) keeps no
-    dense copy: its curve is the engine's own form (`gemm_curve`).
-    """
-    kinds = _dense_layer_weights(model)
-    if kinds is None:
-        return gemm_curve(model, token_counts, repeats)
+    """One pass's layer GEMMs at each token count, each GEMM kind (q/k/v, o, gate/up,
+    down, over every layer) in its fastest form. `model`: loaded with pack=False."""
+    _require_dense(model)
+    kinds = [
+        [linear.weight.t() for linear in kind]
+        for kind in zip(*(layer.linears() for layer in model.layers), strict=True)
+    ]
     return {
         m: sum(_fastest_form_seconds(weights, m, repeats) for weights in kinds)
         for m in sorted(set(token_counts))
@@ -159,12 +163,10 @@ def best_gemm_curve(model, token_counts: Iterable[int], repeats: int = 3) -> dic
 
 @torch.inference_mode()
 def best_lm_head_curve(model, row_counts: Iterable[int], repeats: int = 3) -> dict[int, float]:
-    """The LM head at each row count in its fastest form (the engine's when it packed it)."""
-    rows = sorted(set(row_counts))
-    if model.lm_head_packed is not None:
-        return {r: lm_head_seconds(model, r, repeats) for r in rows}
+    """The LM head at each row count in its fastest form. `model`: loaded with pack=False."""
+    _require_dense(model)
     weight = model.lm_head_weight()
-    return {r: _fastest_form_seconds([weight], r, repeats) for r in rows}
+    return {r: _fastest_form_seconds([weight], r, repeats) for r in sorted(set(row_counts))}
 
 
 def token_profile(prompt_lens: Sequence[int], output_lens: Sequence[int]) -> list[int]:

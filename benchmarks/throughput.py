@@ -29,6 +29,7 @@ import torch
 
 from pagedinfer.service.config import EngineConfig
 from pagedinfer.service.engine import LLMEngine
+from pagedinfer.service.loader import load_model
 from pagedinfer.service.sampling_params import SamplingParams
 
 SYSTEMS = ("paged", "contiguous", "hf_static", "hf_continuous")
@@ -247,7 +248,7 @@ def gemm_limits(
     """The model's GEMMs alone (see limits.py): in the paged run's own passes, and the
     floor for any schedule of the workload on this machine's matmul library.
 
-    Ceilings are against a matmul rate measured now, next to the GEMM timings.
+    Ceilings are against the best matmul rate seen around and in the GEMM timings.
     """
     model = engine.runner.model
     tokens = [m for m, _ in passes]
@@ -256,6 +257,8 @@ def gemm_limits(
     def grid(counts: list[int]) -> set[int]:
         return set(counts) | {2**i for i in range(12) if 2**i <= max(counts)}
 
+    dtype = model.embed_tokens.weight.dtype
+    rate_before = matmul_gflops(dtype)
     curve = limits.gemm_curve(model, grid(tokens))
     lm_curve = {r: limits.lm_head_seconds(model, r) for r in sorted(grid(rows))}
     in_passes = sum(curve[m] for m in tokens) + sum(lm_curve[r] for r in rows)
@@ -269,27 +272,30 @@ def gemm_limits(
     def floor_grid(largest: int) -> list[int]:
         return [m for m in (*range(1, 33), *sparse) if m <= largest]
 
-    best = limits.best_gemm_curve(model, floor_grid(max(token_profile)))
+    dense = load_model(engine.config.model, "cpu", dtype, engine.config.max_model_len, pack=False)
+    best = limits.best_gemm_curve(dense.model, floor_grid(max(token_profile)))
     # The largest points once each: they take seconds, and vary little.
     big = [m for m in (1024, 2048) if m <= max(token_profile)]
-    best.update(limits.best_gemm_curve(model, big, repeats=1))
-    best_lm = limits.best_lm_head_curve(model, floor_grid(max(row_profile)))
-    rate = matmul_gflops(model.embed_tokens.weight.dtype) * 1e9
-
-    def per_unit_floor(flops_per_unit: int, measured: dict[int, float]) -> float:
-        # No pass beats the best rate seen: the big matmul's or any measured point's.
-        fastest = max(rate, max(n * flops_per_unit / t for n, t in measured.items()))
-        return flops_per_unit / fastest
-
+    best.update(limits.best_gemm_curve(dense.model, big, repeats=1))
+    best_lm = limits.best_lm_head_curve(dense.model, floor_grid(max(row_profile)))
+    del dense
+    # The machine's speed moves within minutes: the best of the rates measured before
+    # and after the curves (and of the GEMMs themselves, below) is its limit.
+    rate = max(rate_before, matmul_gflops(dtype)) * 1e9
     per_token = limits.layer_flops_per_token(model)
     per_row = 2 * model.lm_head_weight().numel()
+    rate = max(
+        rate,
+        *(m * per_token / t for m, t in (*curve.items(), *best.items())),
+        *(r * per_row / t for r, t in (*lm_curve.items(), *best_lm.items())),
+    )
+
+    # No pass beats the best rate seen.
     layers_floor = limits.schedule_floor(
-        limits.staircase(best, per_unit_floor(per_token, best), max(token_profile)),
-        token_profile,
+        limits.staircase(best, per_token / rate, max(token_profile)), token_profile
     )
     lm_floor = limits.schedule_floor(
-        limits.staircase(best_lm, per_unit_floor(per_row, best_lm), max(row_profile)),
-        row_profile,
+        limits.staircase(best_lm, per_row / rate, max(row_profile)), row_profile
     )
     floor = layers_floor + lm_floor
     params = sum(p.numel() for p in model.parameters())

@@ -188,12 +188,15 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     max_model_len: int | None = None,
+    pack: bool = True,
 ) -> LoadedModel:
     """Load a model: None = the embedded default; a local Hugging Face directory; a .gguf file.
 
     max_model_len: the longest context that will be served (default: the model's
     max_position_embeddings); features that only break beyond some length (sliding
     windows, dynamic rope) are refused only when it reaches them.
+    pack: on CPU, reorder the GEMM weights into the matmul library's packed layout where
+    it is faster (fp32 with MKL, bf16 with native bf16); False keeps them dense.
     Raises ValueError naming what was found for a missing path or an unsupported model.
     """
     device = torch.device(device)
@@ -230,9 +233,9 @@ def load_model(
     _load_weights(module, weight_files)
     module.rotary.reset_cache()
     module.eval()
-    if cpu_weight_packing_available(device, dtype):
+    if pack and cpu_weight_packing_available(device, dtype):
         module.pack_weights()
-    elif cpu_mkl_packing_available(device, dtype):
+    elif pack and cpu_mkl_packing_available(device, dtype):
         module.pack_weights_mkl()
 
     tokenizer = _load_tokenizer(path)

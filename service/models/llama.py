@@ -220,12 +220,10 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 # The batch size MKL tunes an fp32 packed weight's layout for. A packed weight serves any
-# batch (`mkl_linear` passes the batch's own size, so torch does not fall back to the
-# dense weight). Packed for 128, SmolLM2's layer GEMMs ran 1.2-1.5x faster than dense
-# from 4 to 64 tokens, 1.05-1.15x from 128 to 512, and level at 2-3; 14% slower at one
-# token, where the dense weight stays in use. The LM head ran 1.1-2.6x faster at every
-# row count. Packed for 4-32 it ran slower than dense from 24-64 tokens up (measured on
-# an AVX-512 CPU, 2 threads).
+# batch (`mkl_linear`). Packed for 128, SmolLM2's layer GEMMs ran 1.2-1.5x faster than
+# dense from 4 to 64 tokens, 1.05-1.15x from 128 to 512, level at 2-3 and 10-15% slower
+# at one token; the LM head 1.1-2.6x faster at every row count. Packed for 4-32 they ran
+# slower than dense from 24-64 tokens up (measured on an AVX-512 CPU, 2 threads).
 MKL_PACK_BATCH_HINT = 128
 
 
@@ -239,41 +237,52 @@ def cpu_mkl_packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
-def mkl_pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight [out_features, in_features] packed for MKL's sgemm."""
-    return torch.ops.mkl._mkl_reorder_linear_weight(
-        weight.detach().contiguous(), MKL_PACK_BATCH_HINT
-    )
+@dataclass
+class MKLPacked:
+    """An fp32 weight [out_features, in_features] in MKL's packed layout, and its shape.
 
-
-def mkl_linear(
-    x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """x @ weight.T (+ bias) through the packed weight; weight: [out, in], any strides.
-
-    The packed layout holds for any batch size: passing x's own as the packed one keeps
-    torch from its fallback to the dense weight for other sizes.
+    torch's `_mkl_linear` takes the dense weight too, and reads it only to fall back when
+    the batch size differs from the one it is given. `mkl_linear` always gives the
+    batch's own, so a stand-in of the right shape (one element, broadcast) takes its place
+    and the dense weight can go.
     """
-    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
+
+    packed: torch.Tensor
+    shape_only: torch.Tensor
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> MKLPacked:
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(
+            weight.detach().contiguous(), MKL_PACK_BATCH_HINT
+        )
+        return cls(packed, torch.zeros(1, dtype=weight.dtype).expand(weight.shape))
+
+
+def mkl_linear(x: torch.Tensor, weight: MKLPacked, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T (+ bias) through the packed weight, for a batch of any size."""
+    return torch.ops.mkl._mkl_linear(x, weight.packed, weight.shape_only, bias, x.shape[0])
 
 
 class Linear(nn.Module):
     """y = x @ weight (+ bias) with weight stored [in_features, out_features].
 
     The transpose of nn.Linear's layout: on CPU, MKL runs these GEMMs 10-60% faster at
-    the 8-128 token batches of serving than x @ weight.T (measured, fp32). bf16 weights
-    on a CPU with native bf16 are packed once for oneDNN instead (`pack`).
+    the 8-128 token batches of serving than x @ weight.T (measured, fp32). The loader
+    packs the weights once where the CPU allows: fp32 for MKL's sgemm (`pack_mkl`), bf16
+    for oneDNN on a CPU with native bf16 (`pack`); this layout then serves tests, other
+    devices and CPUs without either.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.packed: torch.Tensor | None = None  # oneDNN's layout (bf16), replaces weight
-        self.mkl: torch.Tensor | None = None  # MKL's layout (fp32), beside weight
+        # Where the engine packed the weight (see `pack`), the dense copy is gone.
+        self.packed: torch.Tensor | None = None  # oneDNN's layout (bf16)
+        self.mkl: MKLPacked | None = None  # MKL's layout (fp32)
 
     def pack(self) -> None:
-        """Reorder the weight into oneDNN's layout, once; every later call uses it.
+        """Reorder the weight into oneDNN's layout (bf16), once; every later call uses it.
 
         The dense copy moves to the meta device: shape, dtype and the parameter count
         stay, the memory is released, and any use of it outside this path fails loudly.
@@ -282,18 +291,15 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(self.weight.to("meta"), requires_grad=False)
 
     def pack_mkl(self) -> None:
-        """Pack an fp32 weight for MKL, once; batches of two or more tokens use it.
-
-        The dense weight stays: one-token steps run faster on it (see MKL_PACK_BATCH_HINT),
-        at the cost of holding the layer's weights twice.
-        """
-        self.mkl = mkl_pack(self.weight.t())
+        """Reorder the weight into MKL's layout (fp32), once, in place of the dense copy."""
+        self.mkl = MKLPacked.of(self.weight.t())
+        self.weight = nn.Parameter(self.weight.to("meta"), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
-        if self.mkl is not None and x.shape[0] > 1:
-            return mkl_linear(x, self.mkl, self.weight.t(), self.bias)
+        if self.mkl is not None:
+            return mkl_linear(x, self.mkl, self.bias)
         if self.bias is None:
             return torch.mm(x, self.weight)
         return torch.addmm(self.bias, x, self.weight)
@@ -303,8 +309,8 @@ class Linear(nn.Module):
         if self.packed is not None:
             out += packed_linear(x, self.packed, self.bias)
             return
-        if self.mkl is not None and x.shape[0] > 1:
-            out += mkl_linear(x, self.mkl, self.weight.t(), self.bias)
+        if self.mkl is not None:
+            out += mkl_linear(x, self.mkl, self.bias)
             return
         out.addmm_(x, self.weight)
         if self.bias is not None:
@@ -454,7 +460,7 @@ class LlamaModel(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.lm_head_packed: torch.Tensor | None = None  # set by pack_weights
-        self.lm_head_mkl: torch.Tensor | None = None  # set by pack_weights_mkl
+        self.lm_head_mkl: MKLPacked | None = None  # set by pack_weights_mkl
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -473,11 +479,14 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = nn.Parameter(self.lm_head.weight.to("meta"), requires_grad=False)
 
     def pack_weights_mkl(self) -> None:
-        """Pack every fp32 GEMM weight for MKL as well (see `cpu_mkl_packing_available`)."""
+        """Pack every fp32 GEMM weight for MKL (see `cpu_mkl_packing_available`); as with
+        `pack_weights`, a tied LM head gets a packed copy of its own."""
         for layer in self.layers:
             for linear in layer.linears():
                 linear.pack_mkl()
-        self.lm_head_mkl = mkl_pack(self.lm_head_weight())
+        self.lm_head_mkl = MKLPacked.of(self.lm_head_weight())
+        if self.lm_head is not None:
+            self.lm_head.weight = nn.Parameter(self.lm_head.weight.to("meta"), requires_grad=False)
 
     @torch.inference_mode()
     def forward(
@@ -509,6 +518,6 @@ class LlamaModel(nn.Module):
         """The LM head: fp32 logits [S, vocab] of final-normed hidden states [S, hidden]."""
         if self.lm_head_packed is not None:
             return packed_linear(hidden, self.lm_head_packed, None).float()
-        if self.lm_head_mkl is not None:  # faster at every row count, one included
-            return mkl_linear(hidden, self.lm_head_mkl, self.lm_head_weight(), None)
+        if self.lm_head_mkl is not None:
+            return mkl_linear(hidden, self.lm_head_mkl, None)
         return F.linear(hidden, self.lm_head_weight()).float()

@@ -187,3 +187,16 @@ def test_measures_the_models_own_gemms(
         # Once to warm up and once timed, for each distinct token count.
         calls = [linear for linear, rows in seen if rows == tokens]
         assert sorted(calls) == sorted(2 * list(linears))
+
+
+def test_fastest_forms_are_timed_from_dense_weights(make_tiny_model: Callable[..., Path]) -> None:
+    path = str(make_tiny_model("llama"))
+    dense = load_model(path, torch.device("cpu"), torch.float32, pack=False).model
+    curve = limits.best_gemm_curve(dense, [3, 1], repeats=1)
+    assert sorted(curve) == [1, 3] and all(t > 0 for t in curve.values())
+    assert sorted(limits.best_lm_head_curve(dense, [2], repeats=1)) == [2]
+    packed = load_model(path, torch.device("cpu"), torch.float32).model
+    if packed.lm_head_mkl is None:
+        pytest.skip("torch was built without MKL: the loader packed nothing")
+    with pytest.raises(ValueError, match="pack=False"):
+        limits.best_gemm_curve(packed, [1])

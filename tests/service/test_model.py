@@ -188,14 +188,14 @@ def test_packed_bfloat16_weights_compute_what_dense_ones_do(
 def test_mkl_packed_fp32_weights_compute_what_dense_ones_do(
     make_tiny_model: Callable[..., Path], overrides: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One packed weight serves every batch size, one token (the dense weight) included."""
+    """One packed weight serves every batch size, in place of the dense one."""
     cpu = torch.device("cpu")
     if not cpu_mkl_packing_available(cpu, torch.float32):
         pytest.skip("torch was built without MKL: fp32 weights stay dense")
     path = make_tiny_model("llama", **overrides)
     packed = load_model(str(path), cpu, torch.float32)
     qkv = packed.model.layers[0].self_attn.qkv_proj
-    assert qkv.mkl is not None and not qkv.weight.is_meta
+    assert qkv.mkl is not None and qkv.weight.is_meta
     assert packed.model.lm_head_mkl is not None
     monkeypatch.setattr(loader, "cpu_mkl_packing_available", lambda *_: False)
     dense = load_model(str(path), cpu, torch.float32)
