@@ -10,8 +10,8 @@ sampling or Python around them.
   give the part of that run that was GEMMs; the rest is everything else the engine does.
 - `best_gemm_curve` and `best_lm_head_curve`: the same GEMMs in the fastest form the
   library offers at each size, whichever an engine could choose (either weight layout,
-  either operand order, MKL- or oneDNN-packed weights for that batch size), timed from
-  a dense copy of the model.
+  either operand order, MKL- or oneDNN-packed weights for that batch size, and the
+  engine's own packing), timed from a dense copy of the model.
 - `schedule_floor`: a lower bound on the GEMM time of any engine that decodes one token
   per sequence per forward pass (no speculative decoding), whatever its schedule.
 
@@ -45,7 +45,11 @@ import torch
 from scipy.optimize import linprog
 from scipy.sparse import diags
 
-from pagedinfer.service.models.llama import packed_linear
+from pagedinfer.service.models.llama import (
+    MKL_PACK_BATCH_HINT,
+    cpu_mkl_packing_available,
+    packed_linear,
+)
 
 
 def _best_time(fn, repeats: int) -> float:
@@ -114,9 +118,13 @@ def gemm_forms(
         "x @ W_io": lambda x: torch.mm(x, weight_io),
         "(W_io^T @ x^T)^T": lambda x: torch.mm(weight_io.t(), x.t()).t(),
     }
-    if weight.dtype == torch.float32 and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"):
-        mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
-        forms["MKL packed"] = lambda x: torch.ops.mkl._mkl_linear(x, mkl, weight, None, rows)
+    if cpu_mkl_packing_available(weight.device, weight.dtype):
+        # Packed for this row count, and for the engine's (any batch can run on either).
+        for hint in sorted({rows, MKL_PACK_BATCH_HINT}):
+            mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, hint)
+            forms[f"MKL packed for {hint}"] = lambda x, mkl=mkl: torch.ops.mkl._mkl_linear(
+                x, mkl, weight, None, x.shape[0]
+            )
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         onednn = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
         forms["oneDNN packed"] = lambda x: packed_linear(x, onednn, None)
