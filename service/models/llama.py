@@ -267,10 +267,10 @@ class Linear(nn.Module):
     """y = x @ weight (+ bias) with weight stored [in_features, out_features].
 
     The transpose of nn.Linear's layout: on CPU, MKL runs these GEMMs 10-60% faster at
-    the 8-128 token batches of serving than x @ weight.T (measured, fp32). The loader
-    packs the weights once where the CPU allows: fp32 for MKL's sgemm (`pack_mkl`), bf16
-    for oneDNN on a CPU with native bf16 (`pack`); this layout then serves tests, other
-    devices and CPUs without either.
+    the 8-128 token batches of serving than x @ weight.T (measured, fp32). On CPU the
+    loader then packs the weights once, in place of this layout: fp32 for MKL's sgemm
+    (`pack_mkl`), bf16 for oneDNN where the CPU has native bf16 (`pack`). GPUs, and CPUs
+    where neither applies, run this layout.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
