@@ -10,8 +10,8 @@ sampling or Python around them.
   give the part of that run that was GEMMs; the rest is everything else the engine does.
 - `best_gemm_curve` and `best_lm_head_curve`: the same GEMMs in the fastest form the
   library offers at each size, whichever an engine could choose (either weight layout,
-  either operand order, MKL- or oneDNN-packed weights for that batch size, and the
-  engine's own packing), timed from a dense copy of the model.
+  either operand order, MKL- or oneDNN-packed weights for that batch size or for the
+  engine's), timed from a dense copy of the model.
 - `schedule_floor`: a lower bound on the GEMM time of any engine that decodes one token
   per sequence per forward pass (no speculative decoding), whatever its schedule.
 
@@ -47,6 +47,7 @@ from scipy.sparse import diags
 
 from pagedinfer.service.models.llama import (
     MKL_PACK_BATCH_HINT,
+    PACK_BATCH_HINT,
     cpu_mkl_packing_available,
     packed_linear,
 )
@@ -126,8 +127,12 @@ def gemm_forms(
                 x, mkl, weight, None, x.shape[0]
             )
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
-        onednn = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-        forms["oneDNN packed"] = lambda x: packed_linear(x, onednn, None)
+        # Likewise for this row count and for the engine's (bf16 on a CPU with native bf16).
+        for hint in sorted({rows, PACK_BATCH_HINT}):
+            onednn = torch.ops.mkldnn._reorder_linear_weight(weight, hint)
+            forms[f"oneDNN packed for {hint}"] = lambda x, onednn=onednn: packed_linear(
+                x, onednn, None
+            )
     return forms
 
 
