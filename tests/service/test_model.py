@@ -186,20 +186,18 @@ def test_packed_bfloat16_weights_compute_what_dense_ones_do(
     ids=["untied", "biases-tied"],
 )
 def test_mkl_packed_fp32_weights_compute_what_dense_ones_do(
-    make_tiny_model: Callable[..., Path], overrides: dict, monkeypatch: pytest.MonkeyPatch
+    make_tiny_model: Callable[..., Path], overrides: dict
 ) -> None:
     """One packed weight serves every batch size, in place of the dense one."""
     cpu = torch.device("cpu")
     if not cpu_mkl_packing_available(cpu, torch.float32):
         pytest.skip("torch was built without MKL: fp32 weights stay dense")
-    path = make_tiny_model("llama", **overrides)
-    packed = load_model(str(path), cpu, torch.float32)
-    qkv = packed.model.layers[0].self_attn.qkv_proj
-    assert qkv.mkl is not None and qkv.weight.is_meta
-    assert packed.model.lm_head_mkl is not None
-    monkeypatch.setattr(loader, "cpu_mkl_packing_available", lambda *_: False)
-    dense = load_model(str(path), cpu, torch.float32)
-    assert dense.model.layers[0].self_attn.qkv_proj.mkl is None
+    path = str(make_tiny_model("llama", **overrides))
+    packed, dense = load_model(path, cpu), load_model(path, cpu, pack=False)
+    linears = [packed.model.layers[0].self_attn.qkv_proj, dense.model.layers[0].mlp.down_proj]
+    assert linears[0].mkl is not None and linears[0].weight.is_meta
+    assert linears[1].mkl is None and not linears[1].weight.is_meta
+    assert packed.model.lm_head_mkl is not None and dense.model.lm_head_mkl is None
     gen = torch.Generator().manual_seed(3)
     # Batches of 1, 2, 5, 40 and 300 tokens: below, at and above the packing's batch size.
     for lengths in ([1], [2], [3, 2], [40], [150, 100, 50]):
