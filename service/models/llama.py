@@ -220,10 +220,10 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 # The batch size MKL tunes an fp32 packed weight's layout for. A packed weight serves any
-# batch (`mkl_linear`). Packed for 128, SmolLM2's layer GEMMs ran 1.2-1.5x faster than
-# dense from 4 to 64 tokens, 1.05-1.15x from 128 to 512, level at 2-3 and 10-15% slower
-# at one token; the LM head 1.1-2.6x faster at every row count. Packed for 4-32 they ran
-# slower than dense from 24-64 tokens up (measured on an AVX-512 CPU, 2 threads).
+# batch (`mkl_linear`). Packed for 128, SmolLM2's layer GEMMs ran 1.1-1.5x faster than
+# dense from 4 to 64 tokens, 1.07-1.16x from 128 to 512, level at 2-3 and 14% slower at
+# one token; the LM head 1.1-2.5x faster at every row count. Packed for 4-16 they ran
+# slower than dense from 24 tokens up (measured on an AVX-512 CPU, 2 threads).
 MKL_PACK_BATCH_HINT = 128
 
 
