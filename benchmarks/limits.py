@@ -48,7 +48,10 @@ from scipy.sparse import diags
 from pagedinfer.service.models.llama import (
     MKL_PACK_BATCH_HINT,
     PACK_BATCH_HINT,
+    MKLPacked,
     cpu_mkl_packing_available,
+    mkl_linear,
+    pack_weight,
     packed_linear,
 )
 
@@ -119,20 +122,15 @@ def gemm_forms(
         "x @ W_io": lambda x: torch.mm(x, weight_io),
         "(W_io^T @ x^T)^T": lambda x: torch.mm(weight_io.t(), x.t()).t(),
     }
+    # Packed for this row count, and for the engine's batch size: any batch runs on either.
     if cpu_mkl_packing_available(weight.device, weight.dtype):
-        # Packed for this row count, and for the engine's (any batch can run on either).
         for hint in sorted({rows, MKL_PACK_BATCH_HINT}):
-            mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, hint)
-            forms[f"MKL packed for {hint}"] = lambda x, mkl=mkl: torch.ops.mkl._mkl_linear(
-                x, mkl, weight, None, x.shape[0]
-            )
+            mkl = MKLPacked.of(weight, hint)
+            forms[f"MKL packed for {hint}"] = lambda x, mkl=mkl: mkl_linear(x, mkl, None)
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
-        # Likewise for this row count and for the engine's (bf16 on a CPU with native bf16).
         for hint in sorted({rows, PACK_BATCH_HINT}):
-            onednn = torch.ops.mkldnn._reorder_linear_weight(weight, hint)
-            forms[f"oneDNN packed for {hint}"] = lambda x, onednn=onednn: packed_linear(
-                x, onednn, None
-            )
+            onednn = pack_weight(weight, hint)
+            forms[f"oneDNN packed for {hint}"] = lambda x, p=onednn: packed_linear(x, p, None)
     return forms
 
 
@@ -147,13 +145,9 @@ def _fastest_form_seconds(weights: Sequence[torch.Tensor], rows: int, repeats: i
 
 
 def _require_dense(model) -> None:
-    packed = [
-        linear
-        for layer in model.layers
-        for linear in layer.linears()
-        if linear.packed is not None or linear.mkl is not None
-    ]
-    if packed or model.lm_head_packed is not None or model.lm_head_mkl is not None:
+    linears = [linear for layer in model.layers for linear in layer.linears()]
+    packed = (*(linear.packed for linear in linears), *(linear.mkl for linear in linears))
+    if any(p is not None for p in (*packed, model.lm_head_packed, model.lm_head_mkl)):
         raise ValueError(
             "the fastest forms are timed from dense weights: load the model with pack=False"
         )

@@ -284,13 +284,12 @@ def gemm_limits(
     for fastest, own in ((best, curve), (best_lm, lm_curve)):
         for m, t in own.items():
             fastest[m] = min(t, fastest.get(m, t))
-    # The machine's speed moves within minutes: the best of the rates measured before
-    # and after the curves (and of the GEMMs themselves, below) is its limit.
-    rate = max(rate_before, matmul_gflops(dtype)) * 1e9
+    # The machine's speed moves within minutes: its limit is the best rate seen, of the
+    # big matmul before and after the curves and of every GEMM timed.
     per_token = limits.layer_flops_per_token(model)
     per_row = 2 * model.lm_head_weight().numel()
     rate = max(
-        rate,
+        1e9 * max(rate_before, matmul_gflops(dtype)),
         *(m * per_token / t for m, t in (*curve.items(), *best.items())),
         *(r * per_row / t for r, t in (*lm_curve.items(), *best_lm.items())),
     )

@@ -210,9 +210,9 @@ def cpu_weight_packing_available(device: torch.device, dtype: torch.dtype) -> bo
     )
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor, batch_hint: int = PACK_BATCH_HINT) -> torch.Tensor:
     """weight [out_features, in_features] (nn.Linear's layout) in oneDNN's blocked layout."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_BATCH_HINT)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_hint)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -251,10 +251,8 @@ class MKLPacked:
     shape_only: torch.Tensor
 
     @classmethod
-    def of(cls, weight: torch.Tensor) -> MKLPacked:
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(
-            weight.detach().contiguous(), MKL_PACK_BATCH_HINT
-        )
+    def of(cls, weight: torch.Tensor, batch_hint: int = MKL_PACK_BATCH_HINT) -> MKLPacked:
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach().contiguous(), batch_hint)
         return cls(packed, torch.zeros(1, dtype=weight.dtype).expand(weight.shape))
 
 
