@@ -14,6 +14,12 @@ sampling or Python around them.
   engine's), timed from a dense copy of the model.
 - `schedule_floor`: a lower bound on the GEMM time of any engine that decodes one token
   per sequence per forward pass (no speculative decoding), whatever its schedule.
+- `attention_slot_seconds` and `decode_context_slots`: the least a decode token's
+  attention can cost per context position and layer, in the fastest form the library
+  offers over contiguous K/V (no paging, no gather), and how many such positions the
+  workload's decode tokens attend to under any schedule. Their product is a floor on
+  the decode attention of any engine; added to the GEMM floor it bounds the whole run
+  (module doc, end).
 
 Why the floor holds. Request r has p_r prompt tokens and o_r output tokens. Its prompt
 goes through the layers in chunks; its first output token comes from the last chunk's
@@ -33,6 +39,16 @@ at the best rate seen. For any concave g with g(0) = 0 and g <= s, Karamata's
 inequality gives sum_j s(m_j) >= sum_j g(m_j) >= sum_j g(profile_j) for every schedule.
 `schedule_floor` finds the concave g that makes the right-hand side largest (a linear
 program); where s is concave it is s itself and the floor is sum_j s(profile_j).
+
+Attention. Decode token j of request r (1 <= j < o_r) sits at position p_r + j - 1 and
+attends, in every layer, to the p_r + j positions up to it, whatever pass it is in: the
+workload fixes the total, `decode_context_slots`. Per position the cost falls with the
+batch (fixed per-call costs are shared) until the K/V stop fitting in the caches; the
+least cost over a grid spanning every batch a decode pass can have (1 to all the
+requests, contexts up to the longest) bounds every pass's decode attention from below.
+Prompt tokens' attention is left out (it is cheaper per position, and the floor stays a
+floor without it). The run's floor is the GEMM floor plus this one: an engine runs each
+layer's attention between its q/k/v and o GEMMs, each op on all cores.
 """
 
 from __future__ import annotations
@@ -42,6 +58,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from scipy.optimize import linprog
 from scipy.sparse import diags
 
@@ -174,6 +191,92 @@ def best_lm_head_curve(model, row_counts: Iterable[int], repeats: int = 3) -> di
     _require_dense(model)
     weight = model.lm_head_weight()
     return {r: _fastest_form_seconds([weight], r, repeats) for r in sorted(set(row_counts))}
+
+
+def decode_attention_forms(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """Every way this machine's library can compute one decode step's attention.
+
+    query [seqs, heads, head_dim], one new token per sequence; key and value [seqs,
+    kv_heads, ctx, head_dim], contiguous, every position visible (no padding, no mask).
+    Each form returns [seqs, heads, head_dim].
+    """
+    seqs, heads, head_dim = query.shape
+    kv_heads = key.shape[1]
+    # The query heads that share a KV head, as that head's query rows: K/V read once each.
+    folded = query.view(seqs, kv_heads, heads // kv_heads, head_dim)
+
+    def matmul_softmax_matmul() -> torch.Tensor:
+        scores = torch.matmul(folded, key.transpose(-1, -2)).mul_(scale).softmax(dim=-1)
+        return torch.matmul(scores, value).view(seqs, heads, head_dim)
+
+    return {
+        "SDPA, query heads folded per KV head": lambda: F.scaled_dot_product_attention(
+            folded, key, value, scale=scale
+        ).view(seqs, heads, head_dim),
+        "SDPA with GQA": lambda: F.scaled_dot_product_attention(
+            query.view(seqs, heads, 1, head_dim), key, value, scale=scale, enable_gqa=True
+        ).view(seqs, heads, head_dim),
+        "matmul, softmax, matmul": matmul_softmax_matmul,
+    }
+
+
+@torch.inference_mode()
+def attention_slot_seconds(
+    config,
+    seq_counts: Iterable[int],
+    context_lens: Iterable[int],
+    dtype: torch.dtype = torch.float32,
+    repeats: int = 3,
+) -> tuple[float, tuple[int, int]]:
+    """The least seconds per (decode token, context position, layer), and where it was seen.
+
+    For each number of sequences and context length: one decode step of every layer, each
+    layer with K/V of its own (as a forward pass reads them), in each form of
+    `decode_attention_forms`; the fastest form counts. Returns the least cost per
+    position over the grid, and the (sequences, context) it came from.
+    """
+    seq_counts, context_lens = sorted(set(seq_counts)), sorted(set(context_lens))
+    if not seq_counts or not context_lens or min(seq_counts) < 1 or min(context_lens) < 1:
+        raise ValueError(
+            f"need at least one sequence count and one context length, each at least 1 "
+            f"(got {seq_counts} and {context_lens})"
+        )
+    heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+    best, where = float("inf"), (0, 0)
+    for seqs in seq_counts:
+        for ctx in context_lens:
+            per_layer = [
+                decode_attention_forms(
+                    torch.randn(seqs, heads, head_dim, dtype=dtype),
+                    torch.randn(seqs, kv_heads, ctx, head_dim, dtype=dtype),
+                    torch.randn(seqs, kv_heads, ctx, head_dim, dtype=dtype),
+                    head_dim**-0.5,
+                )
+                for _ in range(config.num_layers)
+            ]
+            per_slot = _fastest_of(per_layer, repeats) / (seqs * ctx * config.num_layers)
+            if per_slot < best:
+                best, where = per_slot, (seqs, ctx)
+    return best, where
+
+
+def _fastest_of(per_layer: list[dict[str, Callable[[], torch.Tensor]]], repeats: int) -> float:
+    """The least time, over the forms, to run one form in every layer in turn."""
+    return min(
+        _best_time(lambda name=name: [forms[name]() for forms in per_layer], repeats)
+        for name in per_layer[0]
+    )
+
+
+def decode_context_slots(prompt_lens: Sequence[int], output_lens: Sequence[int]) -> int:
+    """Context positions the decode tokens attend to in one layer, under any schedule
+    (module doc): sum over requests of sum_{1 <= j < o_r} (p_r + j)."""
+    _check_lengths(prompt_lens, output_lens)
+    return sum(
+        (o - 1) * p + (o - 1) * o // 2 for p, o in zip(prompt_lens, output_lens, strict=True)
+    )
 
 
 def token_profile(prompt_lens: Sequence[int], output_lens: Sequence[int]) -> list[int]:

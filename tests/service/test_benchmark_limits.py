@@ -200,3 +200,78 @@ def test_fastest_forms_are_timed_from_dense_weights(make_tiny_model: Callable[..
         pytest.skip("torch was built without MKL: the loader packed nothing")
     with pytest.raises(ValueError, match="pack=False"):
         limits.best_gemm_curve(packed, [1])
+
+
+def test_decode_context_slots_count_each_decode_tokens_context() -> None:
+    # Request 0: prompt 3, outputs 3: decode tokens at positions 3 and 4 see 4 and 5
+    # positions. Request 1 has one output: no decode token.
+    assert limits.decode_context_slots([3, 2], [3, 1]) == 4 + 5
+    rng = random.Random(0)
+    prompts = [rng.randint(1, 50) for _ in range(20)]
+    outputs = [rng.randint(1, 50) for _ in range(20)]
+    by_position = sum(p + j for p, o in zip(prompts, outputs, strict=True) for j in range(1, o))
+    assert limits.decode_context_slots(prompts, outputs) == by_position
+    with pytest.raises(ValueError, match="one prompt length per output length"):
+        limits.decode_context_slots([3], [2, 2])
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (9, 3)])
+def test_every_decode_attention_form_computes_attention(heads: int, kv_heads: int) -> None:
+    seqs, ctx, head_dim, scale = 3, 11, 8, 0.3
+    query = torch.randn(seqs, heads, head_dim)
+    key = torch.randn(seqs, kv_heads, ctx, head_dim)
+    value = torch.randn(seqs, kv_heads, ctx, head_dim)
+    # One head at a time: query head h reads KV head h // (heads / kv_heads).
+    expected = torch.empty(seqs, heads, head_dim)
+    for s in range(seqs):
+        for h in range(heads):
+            kv = h // (heads // kv_heads)
+            weights = torch.softmax(key[s, kv] @ query[s, h] * scale, dim=0)
+            expected[s, h] = weights @ value[s, kv]
+    forms = limits.decode_attention_forms(query, key, value, scale)
+    assert len(forms) >= 3
+    for name, form in forms.items():
+        torch.testing.assert_close(form(), expected, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_attention_slot_cost_is_the_least_over_the_grid(
+    make_tiny_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = load_model(str(make_tiny_model("llama")), torch.device("cpu")).model.config
+    # Every (sequences, context) of the grid is timed, with K/V for every layer, and
+    # the cost per position of the cheapest one is returned, with where it was seen.
+    timed: list[tuple[int, int, int]] = []
+    fake_seconds = {(1, 4): 8.0, (1, 16): 8.0, (2, 4): 2.0, (2, 16): 48.0}
+
+    def fake_best_time(fn, repeats):
+        out = fn()
+        seqs, ctx = out[0].shape[0], keys_seen[-1]
+        timed.append((seqs, ctx, len(out)))
+        return fake_seconds[(seqs, ctx)]
+
+    keys_seen: list[int] = []
+    forms = limits.decode_attention_forms
+
+    def recording_forms(query, key, value, scale):
+        keys_seen.append(key.shape[2])
+        return forms(query, key, value, scale)
+
+    monkeypatch.setattr(limits, "_best_time", fake_best_time)
+    monkeypatch.setattr(limits, "decode_attention_forms", recording_forms)
+    per_slot, where = limits.attention_slot_seconds(config, [2, 1, 2], [16, 4])
+    layers = config.num_layers
+    assert where == (2, 4)
+    assert per_slot == pytest.approx(2.0 / (2 * 4 * layers))
+    assert {(s, c) for s, c, _ in timed} == set(fake_seconds)
+    assert all(n == layers for _, _, n in timed)  # one call per layer
+    with pytest.raises(ValueError, match="at least one sequence count"):
+        limits.attention_slot_seconds(config, [], [4])
+    with pytest.raises(ValueError, match="each at least 1"):
+        limits.attention_slot_seconds(config, [1], [0])
+
+
+def test_attention_slot_cost_is_measured(make_tiny_model: Callable[..., Path]) -> None:
+    config = load_model(str(make_tiny_model("llama")), torch.device("cpu")).model.config
+    per_slot, where = limits.attention_slot_seconds(config, [1, 3], [8, 32], repeats=1)
+    assert where in {(1, 8), (1, 32), (3, 8), (3, 32)}
+    assert 0 < per_slot < 1e-3
