@@ -8,10 +8,10 @@ sampling or Python around them.
   count, and the LM head at a row count, through the engine's own code (`Linear`
   modules, packed or not as the engine runs them). Replayed at a run's own passes, they
   give the part of that run that was GEMMs; the rest is everything else the engine does.
-- `best_gemm_curve` and `best_lm_head_curve`: the same GEMMs in the fastest form the
-  library offers at each size, whichever an engine could choose (either weight layout,
-  either operand order, MKL- or oneDNN-packed weights for that batch size or for the
-  engine's), timed from a dense copy of the model.
+- `best_gemm_curves`: the same GEMMs in the fastest form the library offers at each
+  size, whichever an engine could choose (either weight layout, either operand order,
+  MKL- or oneDNN-packed weights for that batch size or for the engine's), timed from a
+  dense copy of the model inside whole passes.
 - `schedule_floor`: a lower bound on the GEMM time of any engine that decodes one token
   per sequence per forward pass (no speculative decoding), whatever its schedule.
 - `attention_slot_seconds` and `decode_context_slots`: the least a decode token's
@@ -151,16 +151,6 @@ def gemm_forms(
     return forms
 
 
-def _fastest_form_seconds(weights: Sequence[torch.Tensor], rows: int, repeats: int) -> float:
-    """The least time, over the forms of `gemm_forms`, for x @ w.T with every w in turn."""
-    x = torch.randn(rows, weights[0].shape[1], dtype=weights[0].dtype)
-    per_weight = [gemm_forms(w, rows) for w in weights]
-    return min(
-        _best_time(lambda name=name: [forms[name](x) for forms in per_weight], repeats)
-        for name in per_weight[0]
-    )
-
-
 def _require_dense(model) -> None:
     linears = [linear for layer in model.layers for linear in layer.linears()]
     packed = (*(linear.packed for linear in linears), *(linear.mkl for linear in linears))
@@ -171,26 +161,61 @@ def _require_dense(model) -> None:
 
 
 @torch.inference_mode()
-def best_gemm_curve(model, token_counts: Iterable[int], repeats: int = 3) -> dict[int, float]:
-    """One pass's layer GEMMs at each token count, each GEMM kind (q/k/v, o, gate/up,
-    down, over every layer) in its fastest form. `model`: loaded with pack=False."""
+def best_gemm_curves(
+    model, token_counts: Iterable[int], row_counts: Iterable[int], repeats: int = 3
+) -> tuple[dict[int, float], dict[int, float]]:
+    """The layer GEMMs of one pass at each token count, and the LM head at each row
+    count, each GEMM kind in its fastest form. `model`: loaded with pack=False.
+
+    Timed inside whole passes, as a forward pass runs them: q/k/v, o, gate/up and down
+    of the first layer, then of the next, and so on, then the LM head, every GEMM in
+    one form of `gemm_forms`. Each kind's calls are timed one by one and summed; for
+    each kind (and the LM head) the least sum over forms and repeats counts. So each
+    weight comes from wherever the rest of a pass left the caches, not from a cache
+    kept warm by timing one kind on its own.
+    """
     _require_dense(model)
     kinds = [
         [linear.weight.t() for linear in kind]
         for kind in zip(*(layer.linears() for layer in model.layers), strict=True)
     ]
-    return {
-        m: sum(_fastest_form_seconds(weights, m, repeats) for weights in kinds)
-        for m in sorted(set(token_counts))
-    }
+    token_counts, row_counts = set(token_counts), set(row_counts)
+    layers: dict[int, float] = {}
+    lm_head: dict[int, float] = {}
+    for m in sorted(token_counts | row_counts):
+        layers[m], lm_head[m] = _in_pass_seconds(kinds, model.lm_head_weight(), m, repeats)
+    return (
+        {m: t for m, t in layers.items() if m in token_counts},
+        {m: t for m, t in lm_head.items() if m in row_counts},
+    )
 
 
-@torch.inference_mode()
-def best_lm_head_curve(model, row_counts: Iterable[int], repeats: int = 3) -> dict[int, float]:
-    """The LM head at each row count in its fastest form. `model`: loaded with pack=False."""
-    _require_dense(model)
-    weight = model.lm_head_weight()
-    return {r: _fastest_form_seconds([weight], r, repeats) for r in sorted(set(row_counts))}
+def _in_pass_seconds(
+    kinds: list[list[torch.Tensor]], lm_weight: torch.Tensor, rows: int, repeats: int
+) -> tuple[float, float]:
+    """One pass at `rows` (`best_gemm_curves`): the layer GEMMs' least time, the sum of
+    each kind's fastest form, and the LM head's in its fastest form."""
+    per_layer = list(zip(*([gemm_forms(w, rows) for w in ws] for ws in kinds), strict=True))
+    lm_forms = gemm_forms(lm_weight, rows)
+    inputs = [torch.randn(rows, weights[0].shape[1], dtype=lm_weight.dtype) for weights in kinds]
+    hidden = torch.randn(rows, lm_weight.shape[1], dtype=lm_weight.dtype)
+    best = [float("inf")] * len(kinds)
+    best_lm = float("inf")
+    for name in lm_forms:
+        for repeat in range(repeats + 1):  # the first warms up
+            spent = [0.0] * len(kinds)
+            for layer in per_layer:
+                for k, forms in enumerate(layer):
+                    start = time.perf_counter()
+                    forms[name](inputs[k])
+                    spent[k] += time.perf_counter() - start
+            start = time.perf_counter()
+            lm_forms[name](hidden)
+            lm_seconds = time.perf_counter() - start
+            if repeat:
+                best = [min(b, t) for b, t in zip(best, spent, strict=True)]
+                best_lm = min(best_lm, lm_seconds)
+    return sum(best), best_lm
 
 
 def decode_attention_forms(

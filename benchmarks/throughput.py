@@ -273,11 +273,12 @@ def gemm_limits(
         return [m for m in (*range(1, 33), *sparse) if m <= largest]
 
     dense = load_model(engine.config.model, "cpu", dtype, engine.config.max_model_len, pack=False)
-    best = limits.best_gemm_curve(dense.model, floor_grid(max(token_profile)))
+    best, best_lm = limits.best_gemm_curves(
+        dense.model, floor_grid(max(token_profile)), floor_grid(max(row_profile))
+    )
     # The largest points once each: they take seconds, and vary little.
     big = [m for m in (1024, 2048) if m <= max(token_profile)]
-    best.update(limits.best_gemm_curve(dense.model, big, repeats=1))
-    best_lm = limits.best_lm_head_curve(dense.model, floor_grid(max(row_profile)))
+    best.update(limits.best_gemm_curves(dense.model, big, [], repeats=1)[0])
     del dense
     # The engine's own form is one of those forms, timed separately: where its timing
     # came out faster (the machine's noise), it is the least seen.

@@ -192,14 +192,14 @@ def test_measures_the_models_own_gemms(
 def test_fastest_forms_are_timed_from_dense_weights(make_tiny_model: Callable[..., Path]) -> None:
     path = str(make_tiny_model("llama"))
     dense = load_model(path, torch.device("cpu"), torch.float32, pack=False).model
-    curve = limits.best_gemm_curve(dense, [3, 1], repeats=1)
+    curve, lm_head = limits.best_gemm_curves(dense, [3, 1], [2, 1], repeats=1)
     assert sorted(curve) == [1, 3] and all(t > 0 for t in curve.values())
-    assert sorted(limits.best_lm_head_curve(dense, [2], repeats=1)) == [2]
+    assert sorted(lm_head) == [1, 2] and all(t > 0 for t in lm_head.values())
     packed = load_model(path, torch.device("cpu"), torch.float32).model
     if packed.lm_head_mkl is None:
         pytest.skip("torch was built without MKL: the loader packed nothing")
     with pytest.raises(ValueError, match="pack=False"):
-        limits.best_gemm_curve(packed, [1])
+        limits.best_gemm_curves(packed, [1], [1])
 
 
 def test_decode_context_slots_count_each_decode_tokens_context() -> None:
@@ -275,3 +275,34 @@ def test_attention_slot_cost_is_measured(make_tiny_model: Callable[..., Path]) -
     per_slot, where = limits.attention_slot_seconds(config, [1, 3], [8, 32], repeats=1)
     assert where in {(1, 8), (1, 32), (3, 8), (3, 32)}
     assert 0 < per_slot < 1e-3
+
+
+def test_fastest_forms_are_timed_inside_whole_passes(
+    make_tiny_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each form runs every layer's GEMMs in forward order, then the LM head: the order
+    a pass reads the weights in, so each comes from where the rest of the pass left
+    the caches."""
+    dense = load_model(str(make_tiny_model("llama")), torch.device("cpu"), pack=False).model
+    names = {id(dense.lm_head_weight()): "lm"}
+    for i, layer in enumerate(dense.layers):
+        for kind, linear in zip(("qkv", "o", "gate_up", "down"), layer.linears(), strict=True):
+            names[id(linear.weight)] = f"{kind}{i}"
+    calls: list[tuple[str, str]] = []
+
+    def recording_forms(weight, rows):
+        # The weights come transposed (nn.Linear's layout): ._base is the parameter.
+        name = names[id(weight._base if weight._base is not None else weight)]
+
+        def form(label):
+            return lambda x: calls.append((label, name)) or x @ weight.t()
+
+        return {"a": form("a"), "b": form("b")}
+
+    monkeypatch.setattr(limits, "gemm_forms", recording_forms)
+    limits.best_gemm_curves(dense, [2], [2], repeats=1)
+    one_pass = [
+        f"{kind}{i}" for i in range(len(dense.layers)) for kind in ("qkv", "o", "gate_up", "down")
+    ] + ["lm"]
+    # Form a warms up and is timed once, then form b the same.
+    assert calls == [(label, n) for label in "ab" for _ in range(2) for n in one_pass]
