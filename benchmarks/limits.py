@@ -1,8 +1,9 @@
-"""What the model's GEMMs cost on this machine, and the floors on run time that follow.
+"""What the model's GEMMs and decode attention cost on this machine, and the floors on
+run time that follow.
 
-Everything here times the model's own weights through this machine's matmul library
-(MKL and oneDNN, through torch), with nothing else in the way: no attention, norms,
-sampling or Python around them.
+Everything here times the model's own weights, and attention at its shapes, through
+this machine's libraries (MKL and oneDNN, through torch), with nothing else in the
+way: no norms, sampling, scheduling or engine Python around them.
 
 - `gemm_curve` and `lm_head_seconds`: the layer GEMMs of one forward pass at a token
   count, and the LM head at a row count, through the engine's own code (`Linear`
@@ -44,8 +45,8 @@ Attention. Decode token j of request r (1 <= j < o_r) sits at position p_r + j -
 attends, in every layer, to the p_r + j positions up to it, whatever pass it is in: the
 workload fixes the total, `decode_context_slots`. Per position the cost falls with the
 batch (fixed per-call costs are shared) until the K/V stop fitting in the caches; the
-least cost over a grid spanning every batch a decode pass can have (1 to all the
-requests, contexts up to the longest) bounds every pass's decode attention from below.
+least cost seen over a grid spanning every batch a decode pass can have (1 to all the
+requests, contexts up to the longest) is what every position is charged.
 Prompt tokens' attention is left out (it is cheaper per position, and the floor stays a
 floor without it). The run's floor is the GEMM floor plus this one: an engine runs each
 layer's attention between its q/k/v and o GEMMs, each op on all cores.
