@@ -576,9 +576,11 @@ def main(argv: list[str] | None = None) -> int:
             rates.append(before)
             timeline = None
             if name == "paged":
+                # Later rounds get an engine of their own: the first one's prefix cache
+                # holds this very workload's prompts.
                 passes: list[tuple[int, int]] = []
                 result, timeline = run_pagedinfer(
-                    name, wl, base, params, gflops, engine, warm if first else None, passes
+                    name, wl, base, params, gflops, engine if first else None, warm, passes
                 )
             elif name == "contiguous":
                 cfg = EngineConfig(**{**base.__dict__, "allocation_policy": "contiguous"})
