@@ -565,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     # MFU is finally taken against the best rate seen in the run (what the machine reached).
     rates = [gflops]
     runs: dict[str, list[float]] = {name: [] for name in systems}
-    hf_models: dict[str, object] = {}
+    hf_static_model = None  # generate() leaves the model as it was: one copy serves every round
     # With --repeats, the systems take turns, round after round, and each keeps its
     # fastest run: every system is then compared at the best the machine gave it.
     for round_ in range(args.repeats):
@@ -587,12 +587,16 @@ def main(argv: list[str] | None = None) -> int:
                 result, timeline = run_pagedinfer(name, wl, cfg, params, gflops, warmup=warm)
             else:
                 if name == "hf_static":
-                    # generate() leaves the model as it was: one copy serves every round.
-                    hf = hf_models.get(name) or _load_hf(dtype)
-                    hf_models[name] = hf
+                    hf_static_model = hf_static_model or _load_hf(dtype)
                     eos = engine.tokenizer.eos_token_id or 0
                     result = run_hf_static(
-                        wl, hf, params, gflops, args.hf_batch, eos, warm if first else None
+                        wl,
+                        hf_static_model,
+                        params,
+                        gflops,
+                        args.hf_batch,
+                        eos,
+                        warm if first else None,
                     )
                 else:
                     # Continuous batching sets the model up for itself: a fresh copy each run.
@@ -617,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
                     results["gemm_limits"] = gemm_limits(wl, engine, passes, result["seconds"])
                     rates.append(results["gemm_limits"]["matmul_gflops_now"])
                     say(json.dumps(results["gemm_limits"]))
-    hf_models.clear()
+    hf_static_model = None
     for name in systems:
         results[name]["runs_seconds"] = runs[name]
     if "gemm_limits" in results and "paged" in results:

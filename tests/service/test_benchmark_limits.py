@@ -241,6 +241,7 @@ def test_attention_slot_cost_is_the_least_over_the_grid(
     # Every (sequences, context) of the grid is timed, with K/V for every layer, and
     # the cost per position of the cheapest one is returned, with where it was seen.
     timed: list[tuple[int, int, int]] = []
+    keys_seen: list[int] = []  # the context length of each set of forms made
     fake_seconds = {(1, 4): 8.0, (1, 16): 8.0, (2, 4): 2.0, (2, 16): 48.0}
 
     def fake_best_time(fn, repeats):
@@ -249,7 +250,6 @@ def test_attention_slot_cost_is_the_least_over_the_grid(
         timed.append((seqs, ctx, len(out)))
         return fake_seconds[(seqs, ctx)]
 
-    keys_seen: list[int] = []
     forms = limits.decode_attention_forms
 
     def recording_forms(query, key, value, scale):
