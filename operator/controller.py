@@ -10,10 +10,11 @@ and tries again on its next period.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,9 +127,14 @@ class Controller:
         service = build_service(body)
         await self._ensure(service, await self.kube.get("v1", "Service", ns, name), logger)
 
-        def compute(fresh: Body) -> dict[str, Any]:
+        async def compute(fresh: Body) -> dict[str, Any]:
+            # The Deployment as it is now, read under the status lock: the one written
+            # above may be stale already (the kubelet may have reported its replicas, and
+            # the event handler carried that into our status), and writing from it would
+            # undo that with nothing left to redo it.
+            current = await self.kube.get("apps/v1", "Deployment", ns, name)
             now = self._now()
-            update = st.deployment_status(fresh, deployment, now)
+            update = st.deployment_status(fresh, current, now)
             if spec.autoscaling is None:
                 update.update(st.static_scaling_status(update, now))
             return update
@@ -174,19 +180,26 @@ class Controller:
             logger.warning(f"could not follow {child['kind']} event {event_type}: {exc}")
 
     async def update_status(
-        self, ns: str, name: str, compute: Callable[[Body], Mapping[str, Any]]
+        self,
+        ns: str,
+        name: str,
+        compute: Callable[[Body], Mapping[str, Any] | Awaitable[Mapping[str, Any]]],
     ) -> None:
         """Write `compute(fresh body)` into the status, if it changes anything.
 
         One writer per object at a time in this process, and the object's resourceVersion
         as a precondition against other writers: on a conflict, read and compute again.
+        `compute` may be a coroutine function, to read what it needs under the lock.
         """
         async with self._locks[ns, name]:
             for attempt in range(3):
                 body = await self.kube.get(API_VERSION, KIND, ns, name)
                 if body is None:
                     return
-                update = dict(compute(body))
+                computed = compute(body)
+                if inspect.isawaitable(computed):
+                    computed = await computed
+                update = dict(computed)
                 if not st.changed(body.get("status") or {}, update):
                     return
                 patch: dict[str, Any] = {"status": update}
