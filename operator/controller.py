@@ -122,8 +122,9 @@ class Controller:
         existing = await self.kube.get("apps/v1", "Deployment", ns, name)
         current = None if existing is None else existing.get("spec", {}).get("replicas")
         replicas = deployment_replicas(spec, current)
-        deployment = build_deployment(body, replicas, self.options.default_image)
-        deployment = await self._ensure(deployment, existing, logger)
+        await self._ensure(
+            build_deployment(body, replicas, self.options.default_image), existing, logger
+        )
         service = build_service(body)
         await self._ensure(service, await self.kube.get("v1", "Service", ns, name), logger)
 
@@ -132,9 +133,9 @@ class Controller:
             # above may be stale already (the kubelet may have reported its replicas, and
             # the event handler carried that into our status), and writing from it would
             # undo that with nothing left to redo it.
-            current = await self.kube.get("apps/v1", "Deployment", ns, name)
+            latest = await self.kube.get("apps/v1", "Deployment", ns, name)
             now = self._now()
-            update = st.deployment_status(fresh, current, now)
+            update = st.deployment_status(fresh, latest, now)
             if spec.autoscaling is None:
                 update.update(st.static_scaling_status(update, now))
             return update
