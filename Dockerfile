@@ -27,6 +27,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # is read-only (mount an emptyDir there). Nothing is ever fetched from a model hub.
 ENV PAGEDINFER_CACHE_DIR=/opt/pagedinfer/cache \
     TRITON_CACHE_DIR=/tmp/triton \
+    NUMBA_CACHE_DIR=/tmp/numba \
     HF_HOME=/tmp/huggingface \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1

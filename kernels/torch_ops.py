@@ -17,6 +17,11 @@ arithmetic runs in bf16 when query and cache are bf16 and the CPU has native bf1
 (AMX or AVX512-BF16: SDPA accumulates in fp32 there), otherwise in fp32 (fp16, and bf16
 elsewhere, are slow on CPU); the output takes query's dtype.
 
+Decodes over an fp32 cache skip the gather where numba is installed: the compiled kernel
+of `cpu_decode` reads their K/V in place, once. PAGEDINFER_CPU_ATTENTION=torch keeps them
+on the gather path. Prefills always take it: they are compute-bound, and SDPA's blocked
+kernel is the better one there.
+
 The bookkeeping (groups, gather indices, padding, masks) depends only on the batch, not
 on the layer: `plan_attention` computes it once, and a model passes the plan to every
 layer's call. Without a plan, each call makes its own.
@@ -25,10 +30,14 @@ layer's call. Without a plan, each call makes its own.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
+import os
 import threading
 from dataclasses import dataclass, field
+from types import ModuleType
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -85,11 +94,39 @@ class _Group:
 
 
 @dataclass
+class _Decodes:
+    """The decodes that the compiled kernel serves, longest context first."""
+
+    query_rows: torch.Tensor  # int64 [n]
+    block_tables: np.ndarray  # int32 [n, blocks]
+    seq_lens: np.ndarray  # int32 [n]
+
+
+@dataclass
 class AttentionPlan:
     """The per-batch bookkeeping of `paged_attention`, shared by every layer's call."""
 
     groups: list[_Group]
     block_size: int
+    decodes: _Decodes | None = None  # None: every decode is in a group
+
+
+def compiled_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether decodes on these tensors take the compiled kernel (see the module doc)."""
+    if os.environ.get("PAGEDINFER_CPU_ATTENTION", "compiled") == "torch":
+        return False
+    module = _cpu_decode()
+    return module is not None and module.supports(query, k_cache, v_cache)
+
+
+@functools.cache
+def _cpu_decode() -> ModuleType | None:
+    """The compiled decode kernel's module, or None where numba is not installed."""
+    if importlib.util.find_spec("numba") is None:
+        return None
+    from pagedinfer.kernels import cpu_decode
+
+    return cpu_decode
 
 
 def plan_attention(
@@ -97,16 +134,31 @@ def plan_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     block_size: int,
+    compiled: bool = False,
 ) -> AttentionPlan:
-    """Group the sequences and build every index and mask the layers will need."""
+    """Group the sequences and build every index and mask the layers will need.
+
+    compiled: the decodes go to the compiled kernel (`compiled_decode` says whether the
+    tensors allow it) instead of padded groups.
+    """
     starts = query_start_loc.long()
     seq_lens = seq_lens.long()
     query_lens = starts[1:] - starts[:-1]
+    decodes = None
+    if compiled:
+        ids = (query_lens == 1).nonzero().flatten()
+        ids = ids[torch.sort(seq_lens[ids], descending=True, stable=True).indices]
+        decodes = _Decodes(
+            query_rows=starts[ids],
+            block_tables=block_tables[ids].to(torch.int32).numpy(),
+            seq_lens=seq_lens[ids].to(torch.int32).numpy(),
+        )
+        query_lens = torch.where(query_lens == 1, 0, query_lens)  # no group of their own
     groups = [
         _plan_group(seq_ids, block_tables, seq_lens, query_lens, starts, block_size)
         for seq_ids in _length_groups(query_lens, seq_lens)
     ]
-    return AttentionPlan(groups, block_size)
+    return AttentionPlan(groups, block_size, decodes)
 
 
 def _plan_group(
@@ -187,15 +239,24 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of the packed new tokens over their paged contexts (see the package doc).
 
-    plan: from `plan_attention` on the same block_tables, seq_lens and query_start_loc;
-    made here when not given.
+    plan: from `plan_attention` on the same block_tables, seq_lens and query_start_loc
+    (with compiled decodes only where `compiled_decode` allows them); made here when
+    not given.
     """
     if out is None:
         out = torch.empty_like(query)
     if query.shape[0] == 0:
         return out
     if plan is None:
-        plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1])
+        compiled = compiled_decode(query, k_cache, v_cache)
+        plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1], compiled)
+    if plan.decodes is not None and plan.decodes.query_rows.numel():
+        d, kernel = plan.decodes, _cpu_decode()
+        if kernel is None or not kernel.supports(query, k_cache, v_cache):
+            raise ValueError("plan: compiled decodes, but these tensors cannot take them")
+        q = query.index_select(0, d.query_rows)
+        o = kernel.decode_attention(q, k_cache, v_cache, d.block_tables, d.seq_lens, scale)
+        out.index_copy_(0, d.query_rows, o if o.dtype == out.dtype else o.to(out.dtype))
     num_heads, head_dim = query.shape[1], query.shape[2]
     dtype = compute_dtype(query.dtype, k_cache.dtype)
     for g in plan.groups:

@@ -85,10 +85,14 @@ class AttentionMetadata:
     # tensors match in shape, dtype and device, so their calls skip the checks.
     validated: bool = False
 
-    def torch_plan(self, block_size: int) -> torch_ops.AttentionPlan:
+    def torch_plan(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch_ops.AttentionPlan:
+        block_size = k_cache.shape[1]
         if self.cpu_plan is None or self.cpu_plan.block_size != block_size:
+            compiled = torch_ops.compiled_decode(query, k_cache, v_cache)
             self.cpu_plan = torch_ops.plan_attention(
-                self.block_tables, self.seq_lens, self.query_start_loc, block_size
+                self.block_tables, self.seq_lens, self.query_start_loc, block_size, compiled
             )
         return self.cpu_plan
 
@@ -393,7 +397,7 @@ class Attention(nn.Module):
         if validate:  # before the plan is built from the metadata
             check_paged_attention(*args, self.scale, None, check_values=False)
         # On CPU the layers of one forward share the batch's attention plan.
-        plan = None if kernels.use_triton(k_cache) else attn.torch_plan(k_cache.shape[1])
+        plan = None if kernels.use_triton(k_cache) else attn.torch_plan(*args[:3])
         out = kernels.paged_attention(*args, self.scale, validate=False, plan=plan)
         attn.validated = True
         self.o_proj.add_into(residual, out.view(num_tokens, self.q_size))

@@ -29,14 +29,23 @@ assert torch.cuda.is_available() or triton_ops._INTERPRETED, (
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-@pytest.fixture(params=["torch", "triton"])
-def backend(request: pytest.FixtureRequest) -> ModuleType:
-    """The module of one backend: `torch_ops` or `triton_ops` (same signatures)."""
-    if request.param == "torch":
-        from pagedinfer.kernels import torch_ops
+@pytest.fixture(params=["torch", "torch-gather", "triton"])
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """The module of one backend: `torch_ops` or `triton_ops` (same signatures).
 
-        return torch_ops
-    return triton_ops
+    "torch" serves fp32 decodes with the compiled kernel (numba is a dependency);
+    "torch-gather" keeps them on the gather + SDPA path.
+    """
+    if request.param == "triton":
+        return triton_ops
+    from pagedinfer.kernels import torch_ops
+
+    if request.param == "torch":
+        monkeypatch.delenv("PAGEDINFER_CPU_ATTENTION", raising=False)
+        assert torch_ops._cpu_decode() is not None, "numba is missing: no compiled decodes"
+    else:
+        monkeypatch.setenv("PAGEDINFER_CPU_ATTENTION", "torch")
+    return torch_ops
 
 
 @dataclass

@@ -1,0 +1,223 @@
+"""Paged decode attention for CPU, compiled with numba: K/V are read in place.
+
+The torch path gathers each decode's K/V blocks into a padded copy and then runs SDPA
+over it, so every context position's K/V crosses memory three times per layer (gather
+read, gather write, SDPA read). This kernel walks each sequence's block table and reads
+every K/V row once, with an online softmax across blocks. Only slots below a sequence's
+length are read: stale slots of its last block, which may hold another request's NaN,
+never enter the sums.
+
+One kernel is compiled per (block size, heads, KV heads, head dim): with those fixed,
+LLVM unrolls and vectorises the head-dim loops. Compiling takes a few seconds on first
+use; the result is cached on disk where the package directory (or NUMBA_CACHE_DIR) is
+writable. The kernel releases the GIL: the decodes, which the caller sorts by length,
+are dealt round-robin to as many threads as torch uses, so each gets a similar share.
+
+Measured on SmolLM2's shapes, 2 threads, 32 decodes of 40-300 tokens, 30 layers: 32 ms
+against 60 ms for gather + SDPA on their own. Inside a forward pass the gain shrinks
+(137 against 144 ms per 32-decode step, steps alternated in one run), because torch's
+OpenMP workers spin for a while after each GEMM and compete with this kernel's threads.
+
+Importing this module imports numba: `torch_ops` imports it only where numba is installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numba
+import numpy as np
+import torch
+
+# Reassociation lets LLVM vectorise the dot products and sums. No "no-inf" or "no-NaN"
+# flags: the running max starts at -inf.
+_FAST = {"reassoc", "contract", "nsz", "arcp"}
+_LOG2E = np.float32(1.0 / math.log(2.0))
+_LN2 = np.float32(math.log(2.0))
+
+
+def _jit(**options: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """numba.njit, cached on disk when some cache directory is writable (else in memory)."""
+
+    def compile_lazily(function: Callable[..., Any]) -> Callable[..., Any]:
+        try:
+            return numba.njit(cache=True, **options)(function)
+        except RuntimeError:  # numba found no writable cache directory (read-only root fs)
+            return numba.njit(**options)(function)
+
+    return compile_lazily
+
+
+def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether `decode_attention` serves these tensors: all fp32, on CPU, the caches contiguous.
+
+    A bf16 cache stays on the torch path: where the CPU has native bf16 its SDPA reads half
+    the bytes, and widening in this kernel measured slower (110 vs 105 ms per 32-decode
+    step of SmolLM2).
+    """
+    return (
+        query.device.type == "cpu"
+        and query.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+    )
+
+
+def decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: np.ndarray,
+    seq_lens: np.ndarray,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its paged context.
+
+    query: [num_seqs, num_heads, head_dim], the decodes' query rows.
+    block_tables: int32 [num_seqs, max_blocks] and seq_lens: int32 [num_seqs], numpy
+    arrays built once per batch and shared by every layer. The kernel does not check
+    bounds: every seq_len must be at least 1 and every block id its length needs must
+    lie in the cache. Returns fp32 [num_seqs, num_heads, head_dim].
+    """
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    num_seqs, num_heads = query.shape[:2]
+    q = query.contiguous()
+    out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    kernel = _kernel(block_size, num_heads, num_kv_heads, head_dim)
+    args = (
+        q.numpy(),
+        k_cache.numpy(),
+        v_cache.numpy(),
+        block_tables,
+        seq_lens,
+        np.float32(scale),
+        out.numpy(),
+    )
+    workers = max(1, min(torch.get_num_threads(), num_seqs))
+    others = [_pool(workers).submit(kernel, *args, w, workers) for w in range(1, workers)]
+    kernel(*args, 0, workers)
+    for other in others:
+        other.result()
+    return out
+
+
+_pool_lock = threading.Lock()
+
+
+@functools.cache
+def _pool_of(size: int, pid: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(size, thread_name_prefix="pagedinfer-attention")
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """Threads for the workers beyond the caller's own, one pool per size in use. Keyed by
+    process too: a forked child inherits the pool object but none of its threads."""
+    with _pool_lock:
+        return _pool_of(workers - 1, os.getpid())
+
+
+@_jit(fastmath=_FAST, inline="always")
+def _exp_into(x: np.ndarray, out: np.ndarray, bits: np.ndarray) -> None:
+    # out = exp(x) for x <= 0, as 2**k * e**r with |r| <= ln2 / 2: this loop vectorises,
+    # where numba's scalar exp is a libm call per element.
+    n = x.shape[0]
+    for t in range(n):
+        v = max(x[t], np.float32(-87.0))
+        k = np.floor(v * _LOG2E + np.float32(0.5))
+        r = v - k * _LN2
+        p = np.float32(1.0 / 5040.0)
+        p = p * r + np.float32(1.0 / 720.0)
+        p = p * r + np.float32(1.0 / 120.0)
+        p = p * r + np.float32(1.0 / 24.0)
+        p = p * r + np.float32(1.0 / 6.0)
+        p = p * r + np.float32(0.5)
+        p = p * r + np.float32(1.0)
+        p = p * r + np.float32(1.0)
+        out[t] = p
+        bits[t] = (np.int32(k) + np.int32(127)) << np.int32(23)
+    powers = bits[:n].view(np.float32)
+    for t in range(n):
+        out[t] *= powers[t]
+
+
+@functools.cache
+def _kernel(
+    block_size: int, num_heads: int, num_kv_heads: int, head_dim: int
+) -> Callable[..., Any]:
+    """The kernel for one model shape (compiled, or loaded from the cache, on first call)."""
+    bs, nh, d = block_size, num_heads, head_dim
+    group = num_heads // num_kv_heads
+
+    @_jit(fastmath=_FAST, nogil=True, error_model="numpy")
+    def kernel(
+        q: np.ndarray,
+        k_cache: np.ndarray,
+        v_cache: np.ndarray,
+        block_tables: np.ndarray,
+        seq_lens: np.ndarray,
+        scale: np.float32,
+        out: np.ndarray,
+        worker: int,
+        workers: int,
+    ) -> None:
+        m = np.empty(nh, dtype=np.float32)
+        den = np.empty(nh, dtype=np.float32)
+        acc = np.empty((nh, d), dtype=np.float32)
+        scores = np.empty((nh, bs), dtype=np.float32)
+        shifted = np.empty(bs, dtype=np.float32)
+        bits = np.empty(bs, dtype=np.int32)
+        qs = np.empty((nh, d), dtype=np.float32)
+        for s in range(worker, q.shape[0], workers):
+            length = seq_lens[s]
+            for h in range(nh):
+                m[h] = -np.inf
+                den[h] = 0.0
+                for j in range(d):
+                    acc[h, j] = 0.0
+                    qs[h, j] = q[s, h, j] * scale
+            for b in range((length + bs - 1) // bs):
+                block = block_tables[s, b]
+                n = min(bs, length - b * bs)
+                kb, vb = k_cache[block], v_cache[block]
+                for t in range(n):
+                    for h in range(nh):
+                        kh = h // group
+                        dot = np.float32(0.0)
+                        for j in range(d):
+                            dot += qs[h, j] * kb[t, kh, j]
+                        scores[h, t] = dot
+                for h in range(nh):
+                    top = m[h]
+                    for t in range(n):
+                        top = max(top, scores[h, t])
+                    rescale = np.exp(m[h] - top)  # 0 on the first block (m = -inf)
+                    m[h] = top
+                    for t in range(n):
+                        shifted[t] = scores[h, t] - top
+                    _exp_into(shifted[:n], scores[h, :n], bits)
+                    total = den[h] * rescale
+                    for t in range(n):
+                        total += scores[h, t]
+                    den[h] = total
+                    for j in range(d):
+                        acc[h, j] *= rescale
+                for t in range(n):
+                    for h in range(nh):
+                        kh = h // group
+                        p = scores[h, t]
+                        for j in range(d):
+                            acc[h, j] += p * vb[t, kh, j]
+            for h in range(nh):
+                inv = np.float32(1.0) / den[h]
+                for j in range(d):
+                    out[s, h, j] = acc[h, j] * inv
+
+    return kernel

@@ -1,0 +1,162 @@
+"""The compiled CPU decode kernel: what it serves, what it reads, and how it falls back.
+
+Batches come from `build_batch`: permuted physical blocks and NaN in every slot that no
+sequence owns, so a kernel that reads past a sequence's length returns NaN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from pagedinfer.kernels import cpu_decode, torch_ops
+from pagedinfer.kernels.reference import paged_attention_reference
+
+# Lengths around block edges (16-token blocks): one token, a block minus one, exactly one
+# and two blocks, one past, and a long context of many blocks.
+EDGE_LENS = [1, 15, 16, 17, 32, 33, 250]
+
+
+def decode_batch(make_batch: Callable, seq_lens: list[int], **kwargs: object):
+    return make_batch(seq_lens, [1] * len(seq_lens), **kwargs)
+
+
+def run_compiled(batch) -> tuple[torch.Tensor, torch_ops.AttentionPlan]:
+    plan = torch_ops.plan_attention(
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+        batch.k_cache.shape[1],
+        compiled=True,
+    )
+    return torch_ops.paged_attention(*batch.args(), plan=plan), plan
+
+
+def assert_matches_reference(batch, out: torch.Tensor) -> None:
+    expected = paged_attention_reference(*batch.args())
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (8, 8, 64, 16), (8, 1, 128, 16), (6, 2, 64, 5), (4, 2, 32, 1)],
+    ids=["smollm2", "mha", "group8-d128", "block5", "block1"],
+)
+def test_decodes_match_reference_at_every_shape(
+    make_batch: Callable, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    batch = decode_batch(
+        make_batch,
+        EDGE_LENS,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+    )
+    out, plan = run_compiled(batch)
+    assert plan.groups == []  # every sequence went to the compiled kernel
+    assert_matches_reference(batch, out)
+
+
+def test_stale_slots_and_unused_table_entries_are_never_read(make_batch: Callable) -> None:
+    # NaN fills every slot past each length; -1 pads the block tables.
+    batch = decode_batch(make_batch, [5, 16, 21], table_padding="minus_one")
+    out, _ = run_compiled(batch)
+    assert_matches_reference(batch, out)
+
+
+def test_large_scores_stay_finite_and_exact(make_batch: Callable) -> None:
+    # Scores of hundreds: the online softmax must subtract the running max before exp.
+    batch = decode_batch(make_batch, [40, 200], seed=3)
+    batch.query.mul_(40.0)
+    out, _ = run_compiled(batch)
+    assert_matches_reference(batch, out)
+
+
+def test_mixed_batch_sends_only_decodes_to_the_kernel(make_batch: Callable) -> None:
+    seq_lens, query_lens = [7, 33, 40, 50, 3, 90], [1, 33, 12, 1, 3, 1]
+    batch = make_batch(seq_lens, query_lens, num_heads=9, num_kv_heads=3)
+    out, plan = run_compiled(batch)
+    starts = batch.query_start_loc.tolist()
+    # Longest context first, so that the threads' round-robin shares are even.
+    assert plan.decodes.query_rows.tolist() == [starts[5], starts[3], starts[0]]
+    assert plan.decodes.seq_lens.tolist() == [90, 50, 7]
+    assert all(not g.decode for g in plan.groups)
+    assert_matches_reference(batch, out)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_every_thread_count_gives_the_same_output(make_batch: Callable, threads: int) -> None:
+    batch = decode_batch(make_batch, EDGE_LENS, num_heads=9, num_kv_heads=3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, _ = run_compiled(batch)
+    finally:
+        torch.set_num_threads(before)
+    assert_matches_reference(batch, out)
+
+
+def test_only_fp32_cpu_tensors_take_the_kernel(
+    make_batch: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PAGEDINFER_CPU_ATTENTION", raising=False)
+    fp32 = decode_batch(make_batch, [20])
+    bf16 = decode_batch(make_batch, [20], dtype=torch.bfloat16)
+    assert torch_ops.compiled_decode(fp32.query, fp32.k_cache, fp32.v_cache)
+    assert not torch_ops.compiled_decode(bf16.query, bf16.k_cache, bf16.v_cache)
+    strided = fp32.k_cache.transpose(1, 2)
+    assert not cpu_decode.supports(fp32.query, strided, strided)
+    monkeypatch.setenv("PAGEDINFER_CPU_ATTENTION", "torch")
+    assert not torch_ops.compiled_decode(fp32.query, fp32.k_cache, fp32.v_cache)
+
+
+def test_without_a_plan_fp32_decodes_take_the_kernel_and_others_the_gather(
+    make_batch: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PAGEDINFER_CPU_ATTENTION", raising=False)
+    calls = []
+    real = cpu_decode.decode_attention
+    monkeypatch.setattr(
+        cpu_decode, "decode_attention", lambda *args: calls.append(1) or real(*args)
+    )
+    fp32 = decode_batch(make_batch, [20, 40])
+    assert_matches_reference(fp32, torch_ops.paged_attention(*fp32.args()))
+    assert calls == [1]
+    bf16 = decode_batch(make_batch, [20, 40], dtype=torch.bfloat16)
+    torch_ops.paged_attention(*bf16.args())
+    assert calls == [1]
+
+
+def test_a_compiled_plan_with_tensors_it_cannot_serve_is_refused(make_batch: Callable) -> None:
+    fp32 = decode_batch(make_batch, [20])
+    bf16 = decode_batch(make_batch, [20], dtype=torch.bfloat16)
+    _, plan = run_compiled(fp32)
+    with pytest.raises(ValueError, match="plan: compiled decodes"):
+        torch_ops.paged_attention(*bf16.args(), plan=plan)
+
+
+def test_without_a_writable_cache_directory_it_compiles_in_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real_njit = cpu_decode.numba.njit
+
+    def njit(*args: object, cache: bool = False, **options: object) -> object:
+        if cache:  # what numba raises when no cache locator is writable
+            raise RuntimeError("cannot cache function: no locator available")
+        return real_njit(*args, **options)
+
+    monkeypatch.setattr(cpu_decode.numba, "njit", njit)
+
+    @cpu_decode._jit()
+    def add_one(x: np.ndarray) -> None:
+        for i in range(x.shape[0]):
+            x[i] += 1.0
+
+    values = np.zeros(3)
+    add_one(values)
+    assert values.tolist() == [1.0, 1.0, 1.0]
