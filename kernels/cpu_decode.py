@@ -13,9 +13,9 @@ use; the result is cached on disk where the package directory (or NUMBA_CACHE_DI
 writable. The kernel releases the GIL: the decodes, which the caller sorts by length,
 are dealt round-robin to as many threads as torch uses, so each gets a similar share.
 
-Measured on SmolLM2's shapes, 2 threads, 32 decodes of 40-300 tokens, 30 layers: 29-36 ms
-against 55-69 ms for gather + SDPA on their own. Inside a forward pass the gain shrinks
-(a step of 32 decodes 6-10% faster, of 100-128 decodes 13.5%; steps alternated between
+Measured on SmolLM2's shapes, 2 threads, 32 decodes of 40-300 tokens, 30 layers: 28-39 ms
+against 54-71 ms for gather + SDPA on their own. Inside a forward pass the gain shrinks
+(a step of 32 decodes 5-10% faster, of 100-128 decodes 13.5%; steps alternated between
 the two paths in one engine), because torch's OpenMP workers spin for a while after each
 GEMM and compete with this kernel's threads.
 
