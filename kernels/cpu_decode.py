@@ -56,7 +56,8 @@ def _jit(**options: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether `decode_attention` serves these tensors: all fp32, on CPU, the caches contiguous.
+    """Whether `decode_attention` serves these tensors: all fp32, on CPU, the caches
+    contiguous, none of them tracked by autograd (the kernel has no backward).
 
     A bf16 cache stays on the torch path: where the CPU has native bf16 its SDPA reads half
     the bytes, and widening in this kernel measured slower (110 vs 105 ms per 32-decode
@@ -67,6 +68,7 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
         and query.dtype == k_cache.dtype == v_cache.dtype == torch.float32
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
+        and not (query.requires_grad or k_cache.requires_grad or v_cache.requires_grad)
     )
 
 

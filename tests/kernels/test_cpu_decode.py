@@ -111,6 +111,8 @@ def test_only_fp32_cpu_tensors_take_the_kernel(
     assert not torch_ops.compiled_decode(bf16.query, bf16.k_cache, bf16.v_cache)
     strided = fp32.k_cache.transpose(1, 2)
     assert not cpu_decode.supports(fp32.query, strided, strided)
+    tracked = fp32.query.clone().requires_grad_()
+    assert not cpu_decode.supports(tracked, fp32.k_cache, fp32.v_cache)
     monkeypatch.setenv("PAGEDINFER_CPU_ATTENTION", "torch")
     assert not torch_ops.compiled_decode(fp32.query, fp32.k_cache, fp32.v_cache)
 
