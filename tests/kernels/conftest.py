@@ -21,10 +21,17 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from pagedinfer.kernels import triton_ops
+from pagedinfer.kernels.reference import paged_attention_reference
 
 assert torch.cuda.is_available() or triton_ops._INTERPRETED, (
     "the Triton kernels were defined before TRITON_INTERPRET=1 was set"
 )
+
+TOLERANCE = {
+    torch.float32: 1e-5,
+    torch.float16: 2e-3,
+    torch.bfloat16: 2e-2,  # one bf16 ulp at |x| in [2, 4) is 1.6e-2
+}
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -61,6 +68,15 @@ class PagedBatch:
     keys: list[torch.Tensor]  # per sequence, [seq_len, num_kv_heads, head_dim]
     values: list[torch.Tensor]
     scale: float
+
+    def assert_matches_reference(self, out: torch.Tensor) -> None:
+        """out is finite and matches the simple reference within the dtype's tolerance."""
+        expected = paged_attention_reference(
+            *(t.cpu() if torch.is_tensor(t) else t for t in self.args())
+        )
+        tol = TOLERANCE[self.query.dtype]
+        assert not out.isnan().any()
+        torch.testing.assert_close(out.cpu().float(), expected.float(), atol=tol, rtol=tol)
 
     def args(self) -> tuple:
         return (

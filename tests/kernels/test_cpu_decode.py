@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from pagedinfer.kernels import cpu_decode, torch_ops
-from pagedinfer.kernels.reference import paged_attention_reference
 
 # Lengths around block edges (16-token blocks): one token, a block minus one, exactly one
 # and two blocks, one past, and a long context of many blocks.
@@ -35,12 +34,6 @@ def run_compiled(batch) -> tuple[torch.Tensor, torch_ops.AttentionPlan]:
     return torch_ops.paged_attention(*batch.args(), plan=plan), plan
 
 
-def assert_matches_reference(batch, out: torch.Tensor) -> None:
-    expected = paged_attention_reference(*batch.args())
-    assert not out.isnan().any()
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-
-
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "block_size"),
     [(9, 3, 64, 16), (8, 8, 64, 16), (8, 1, 128, 16), (6, 2, 64, 5), (4, 2, 32, 1)],
@@ -59,14 +52,14 @@ def test_decodes_match_reference_at_every_shape(
     )
     out, plan = run_compiled(batch)
     assert plan.groups == []  # every sequence went to the compiled kernel
-    assert_matches_reference(batch, out)
+    batch.assert_matches_reference(out)
 
 
 def test_stale_slots_and_unused_table_entries_are_never_read(make_batch: Callable) -> None:
     # NaN fills every slot past each length; -1 pads the block tables.
     batch = decode_batch(make_batch, [5, 16, 21], table_padding="minus_one")
     out, _ = run_compiled(batch)
-    assert_matches_reference(batch, out)
+    batch.assert_matches_reference(out)
 
 
 def test_large_scores_stay_finite_and_exact(make_batch: Callable) -> None:
@@ -74,7 +67,7 @@ def test_large_scores_stay_finite_and_exact(make_batch: Callable) -> None:
     batch = decode_batch(make_batch, [40, 200], seed=3)
     batch.query.mul_(40.0)
     out, _ = run_compiled(batch)
-    assert_matches_reference(batch, out)
+    batch.assert_matches_reference(out)
 
 
 def test_mixed_batch_sends_only_decodes_to_the_kernel(make_batch: Callable) -> None:
@@ -86,7 +79,7 @@ def test_mixed_batch_sends_only_decodes_to_the_kernel(make_batch: Callable) -> N
     assert plan.decodes.query_rows.tolist() == [starts[5], starts[3], starts[0]]
     assert plan.decodes.seq_lens.tolist() == [90, 50, 7]
     assert all(not g.decode for g in plan.groups)
-    assert_matches_reference(batch, out)
+    batch.assert_matches_reference(out)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -98,7 +91,7 @@ def test_every_thread_count_gives_the_same_output(make_batch: Callable, threads:
         out, _ = run_compiled(batch)
     finally:
         torch.set_num_threads(before)
-    assert_matches_reference(batch, out)
+    batch.assert_matches_reference(out)
 
 
 def test_only_fp32_cpu_tensors_take_the_kernel(
@@ -127,7 +120,7 @@ def test_without_a_plan_fp32_decodes_take_the_kernel_and_others_the_gather(
         cpu_decode, "decode_attention", lambda *args: calls.append(1) or real(*args)
     )
     fp32 = decode_batch(make_batch, [20, 40])
-    assert_matches_reference(fp32, torch_ops.paged_attention(*fp32.args()))
+    fp32.assert_matches_reference(torch_ops.paged_attention(*fp32.args()))
     assert calls == [1]
     bf16 = decode_batch(make_batch, [20, 40], dtype=torch.bfloat16)
     torch_ops.paged_attention(*bf16.args())

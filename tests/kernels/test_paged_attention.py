@@ -14,28 +14,12 @@ import torch
 import torch.nn.functional as F
 
 import pagedinfer.kernels as kernels
-from pagedinfer.kernels.reference import paged_attention_reference
-
-TOLERANCE = {
-    torch.float32: 1e-5,
-    torch.float16: 2e-3,
-    torch.bfloat16: 2e-2,  # one bf16 ulp at |x| in [2, 4) is 1.6e-2
-}
 
 # One call holding every kind of sequence: a decode, a full prefill, a chunked prefill
 # (12 new tokens after 28), a prefill after a block-aligned prefix-cache hit (8 after
 # 32), a long decode and a tiny prefill.
 MIXED_SEQ_LENS = [7, 33, 40, 40, 50, 3]
 MIXED_QUERY_LENS = [1, 33, 12, 8, 1, 3]
-
-
-def assert_matches_reference(batch, out: torch.Tensor) -> None:
-    expected = paged_attention_reference(
-        *(t.cpu() if torch.is_tensor(t) else t for t in batch.args())
-    )
-    tol = TOLERANCE[batch.query.dtype]
-    assert not out.isnan().any()
-    torch.testing.assert_close(out.cpu().float(), expected.float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize(
@@ -49,7 +33,7 @@ def test_gqa_groups_match_reference(
     batch = make_batch(
         MIXED_SEQ_LENS, MIXED_QUERY_LENS, num_heads=num_heads, num_kv_heads=num_kv_heads
     )
-    assert_matches_reference(batch, backend.paged_attention(*batch.args()))
+    batch.assert_matches_reference(backend.paged_attention(*batch.args()))
 
 
 @pytest.mark.parametrize("block_size", [1, 5, 16])
@@ -60,7 +44,7 @@ def test_block_sizes_and_head_dims_match_reference(
     batch = make_batch(
         [9, 21, 17], [1, 21, 6], head_dim=head_dim, block_size=block_size, num_heads=6
     )
-    assert_matches_reference(batch, backend.paged_attention(*batch.args()))
+    batch.assert_matches_reference(backend.paged_attention(*batch.args()))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -70,7 +54,7 @@ def test_half_precision_matches_reference(
     batch = make_batch(MIXED_SEQ_LENS, MIXED_QUERY_LENS, num_heads=9, num_kv_heads=3, dtype=dtype)
     out = backend.paged_attention(*batch.args())
     assert out.dtype == dtype
-    assert_matches_reference(batch, out)
+    batch.assert_matches_reference(out)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["bf16-compute", "fp32-compute"])
@@ -90,12 +74,12 @@ def test_cpu_bf16_computes_natively_or_in_fp32(
     )
     out = torch_ops.paged_attention(*batch.args())
     assert out.dtype == torch.bfloat16
-    assert_matches_reference(batch, out)
+    batch.assert_matches_reference(out)
 
 
 def test_minus_one_table_padding_is_never_read(backend: ModuleType, make_batch: Callable) -> None:
     batch = make_batch(MIXED_SEQ_LENS, MIXED_QUERY_LENS, table_padding="minus_one")
-    assert_matches_reference(batch, backend.paged_attention(*batch.args()))
+    batch.assert_matches_reference(backend.paged_attention(*batch.args()))
 
 
 @pytest.mark.parametrize("num_splits", [2, 3, 7])
@@ -105,14 +89,14 @@ def test_split_kv_decode_matches_reference(make_batch: Callable, num_splits: int
     # Seven splits of 64-position tiles leave some splits of the short sequence empty.
     batch = make_batch([150, 9, 64], [1, 1, 1], num_heads=9, num_kv_heads=3)
     out = triton_ops.paged_attention(*batch.args(), num_splits=num_splits)
-    assert_matches_reference(batch, out)
+    batch.assert_matches_reference(out)
 
 
 def test_split_kv_works_for_prefill_too(make_batch: Callable) -> None:
     from pagedinfer.kernels import triton_ops
 
     batch = make_batch([70, 40], [20, 40], num_heads=4, num_kv_heads=2)
-    assert_matches_reference(batch, triton_ops.paged_attention(*batch.args(), num_splits=3))
+    batch.assert_matches_reference(triton_ops.paged_attention(*batch.args(), num_splits=3))
 
 
 def test_split_heuristic_only_splits_small_long_decode_batches() -> None:
@@ -154,7 +138,7 @@ def test_writes_into_out_and_returns_it(backend: ModuleType, make_batch: Callabl
     batch = make_batch([5, 12], [1, 12])
     out = torch.full_like(batch.query, 7.0)
     assert backend.paged_attention(*batch.args(), out) is out
-    assert_matches_reference(batch, out)
+    batch.assert_matches_reference(out)
 
 
 def test_strided_query_and_out(backend: ModuleType, make_batch: Callable) -> None:
@@ -166,7 +150,7 @@ def test_strided_query_and_out(backend: ModuleType, make_batch: Callable) -> Non
     out_storage = torch.zeros(batch.query.shape[0], 4, 128, device=batch.query.device)
     out = out_storage[:, :, ::2]
     backend.paged_attention(*batch.args(), out)
-    assert_matches_reference(batch, out)
+    batch.assert_matches_reference(out)
 
 
 def test_empty_batch(backend: ModuleType, make_batch: Callable) -> None:
@@ -183,14 +167,14 @@ def test_public_api_dispatches_and_checks(
     assert kernels.use_triton(batch.query)
     monkeypatch.delenv("TRITON_INTERPRET")
     assert kernels.use_triton(batch.query) == batch.query.is_cuda
-    assert_matches_reference(batch, kernels.paged_attention(*batch.args()))
+    batch.assert_matches_reference(kernels.paged_attention(*batch.args()))
 
 
 def test_fresh_prompts_of_different_lengths(backend: ModuleType, make_batch: Callable) -> None:
     """Only new prompts, no earlier context: the padded rows of the shorter ones must not
     disturb anything."""
     batch = make_batch([20, 7, 33], [20, 7, 33], num_heads=9, num_kv_heads=3)
-    assert_matches_reference(batch, backend.paged_attention(*batch.args()))
+    batch.assert_matches_reference(backend.paged_attention(*batch.args()))
 
 
 def test_lengths_spread_over_many_buckets(backend: ModuleType, make_batch: Callable) -> None:
@@ -199,7 +183,7 @@ def test_lengths_spread_over_many_buckets(backend: ModuleType, make_batch: Calla
     batch = make_batch(
         [5, 300, 700, 130, 3, 520], [1, 1, 1, 100, 3, 70], num_heads=4, num_kv_heads=2
     )
-    assert_matches_reference(batch, backend.paged_attention(*batch.args()))
+    batch.assert_matches_reference(backend.paged_attention(*batch.args()))
 
 
 def test_decode_groups_respect_the_padding_budget(make_batch: Callable) -> None:
@@ -218,4 +202,4 @@ def test_decode_groups_respect_the_padding_budget(make_batch: Callable) -> None:
     groups = [sorted(seq_lens[i] for i in g.query_rows.tolist()) for g in plan.groups]
     assert groups == [[3 * budget, top], [2 * budget + 5, 3 * budget - 1], [10, 82]]
     out = torch_ops.paged_attention(*batch.args(), plan=plan)
-    assert_matches_reference(batch, out)
+    batch.assert_matches_reference(out)
