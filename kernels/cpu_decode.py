@@ -25,34 +25,16 @@ Importing this module imports numba: `torch_ops` imports it only where numba is 
 from __future__ import annotations
 
 import functools
-import math
 import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numba
 import numpy as np
 import torch
 
-# Reassociation lets LLVM vectorise the dot products and sums. No "no-inf" or "no-NaN"
-# flags: the running max starts at -inf.
-_FAST = {"reassoc", "contract", "nsz", "arcp"}
-_LOG2E = np.float32(1.0 / math.log(2.0))
-_LN2 = np.float32(math.log(2.0))
-
-
-def _jit(**options: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """numba.njit, cached on disk when some cache directory is writable (else in memory)."""
-
-    def compile_lazily(function: Callable[..., Any]) -> Callable[..., Any]:
-        try:
-            return numba.njit(cache=True, **options)(function)
-        except RuntimeError:  # numba found no writable cache directory (read-only root fs)
-            return numba.njit(**options)(function)
-
-    return compile_lazily
+from pagedinfer.kernels.cpu_numba import FASTMATH, exp_into, jit
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -127,30 +109,6 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return _pool_of(workers - 1, os.getpid())
 
 
-@_jit(fastmath=_FAST, inline="always")
-def _exp_into(x: np.ndarray, out: np.ndarray, bits: np.ndarray) -> None:
-    # out = exp(x) for x <= 0, as 2**k * e**r with |r| <= ln2 / 2: this loop vectorises,
-    # where numba's scalar exp is a libm call per element.
-    n = x.shape[0]
-    for t in range(n):
-        v = max(x[t], np.float32(-87.0))
-        k = np.floor(v * _LOG2E + np.float32(0.5))
-        r = v - k * _LN2
-        p = np.float32(1.0 / 5040.0)
-        p = p * r + np.float32(1.0 / 720.0)
-        p = p * r + np.float32(1.0 / 120.0)
-        p = p * r + np.float32(1.0 / 24.0)
-        p = p * r + np.float32(1.0 / 6.0)
-        p = p * r + np.float32(0.5)
-        p = p * r + np.float32(1.0)
-        p = p * r + np.float32(1.0)
-        out[t] = p
-        bits[t] = (np.int32(k) + np.int32(127)) << np.int32(23)
-    powers = bits[:n].view(np.float32)
-    for t in range(n):
-        out[t] *= powers[t]
-
-
 @functools.cache
 def _kernel(
     block_size: int, num_heads: int, num_kv_heads: int, head_dim: int
@@ -159,7 +117,7 @@ def _kernel(
     bs, nh, d = block_size, num_heads, head_dim
     group = num_heads // num_kv_heads
 
-    @_jit(fastmath=_FAST, nogil=True, error_model="numpy")
+    @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
     def kernel(
         q: np.ndarray,
         k_cache: np.ndarray,
@@ -205,7 +163,7 @@ def _kernel(
                     m[h] = top
                     for t in range(n):
                         shifted[t] = scores[h, t] - top
-                    _exp_into(shifted[:n], scores[h, :n], bits)
+                    exp_into(shifted[:n], scores[h, :n], bits)
                     total = den[h] * rescale
                     for t in range(n):
                         total += scores[h, t]

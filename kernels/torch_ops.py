@@ -18,7 +18,7 @@ arithmetic runs in bf16 when query and cache are bf16 and the CPU has native bf1
 elsewhere, are slow on CPU); the output takes query's dtype.
 
 Decodes over an fp32 cache skip the gather where numba is installed: the compiled kernel
-of `cpu_decode` reads their K/V in place, once. PAGEDINFER_CPU_ATTENTION=torch keeps them
+of `cpu_decode` reads their K/V in place, once. PAGEDINFER_CPU_KERNELS=torch keeps them
 on the gather path. Prefills always take it: they are compute-bound, and SDPA's blocked
 kernel is the better one there.
 
@@ -111,18 +111,27 @@ class AttentionPlan:
     decodes: _Decodes | None = None  # None: every decode is in a group
 
 
+def compiled_kernels() -> bool:
+    """Whether the numba-compiled CPU kernels (`cpu_decode`, `cpu_layer`) are in use:
+    numba is installed and PAGEDINFER_CPU_KERNELS is not `torch` (the opt-out)."""
+    return os.environ.get("PAGEDINFER_CPU_KERNELS", "compiled") != "torch" and _numba_installed()
+
+
+@functools.cache
+def _numba_installed() -> bool:
+    return importlib.util.find_spec("numba") is not None
+
+
 def compiled_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether decodes on these tensors take the compiled kernel (see the module doc)."""
-    if os.environ.get("PAGEDINFER_CPU_ATTENTION", "compiled") == "torch":
-        return False
     module = _cpu_decode()
-    return module is not None and module.supports(query, k_cache, v_cache)
+    return compiled_kernels() and module is not None and module.supports(query, k_cache, v_cache)
 
 
 @functools.cache
 def _cpu_decode() -> ModuleType | None:
     """The compiled decode kernel's module, or None where numba is not installed."""
-    if importlib.util.find_spec("numba") is None:
+    if not _numba_installed():
         return None
     from pagedinfer.kernels import cpu_decode
 

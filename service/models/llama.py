@@ -10,8 +10,10 @@ so each layer runs four GEMMs. The loader fills them from Hugging Face checkpoin
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -20,7 +22,7 @@ from torch import nn
 
 from pagedinfer import kernels
 from pagedinfer.kernels import torch_ops
-from pagedinfer.kernels.validation import check_paged_attention
+from pagedinfer.kernels.validation import check_paged_attention, check_write_kv
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -95,6 +97,14 @@ class AttentionMetadata:
                 self.block_tables, self.seq_lens, self.query_start_loc, block_size, compiled
             )
         return self.cpu_plan
+
+
+@functools.cache
+def cpu_layer() -> ModuleType:
+    """`kernels.cpu_layer`, imported on first use: it imports numba."""
+    from pagedinfer.kernels import cpu_layer as module
+
+    return module
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -182,14 +192,15 @@ class RotaryEmbedding(nn.Module):
         table = torch.stack((angles.cos() * scale, angles.sin() * scale), dim=1)
         self.cos_sin.copy_(table)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, head_dim / 2] of positions [T]; once per forward, shared by layers."""
-        cos_sin = self.cos_sin[positions]
-        return cos_sin[:, 0].unsqueeze(1), cos_sin[:, 1].unsqueeze(1)
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        """cos and sin [T, 2, head_dim / 2] of positions [T]; once per forward, shared by layers."""
+        return self.cos_sin[positions]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate x [T, heads, head_dim] in place (neox style: the two halves form the pairs)."""
+def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    """Rotate x [T, heads, head_dim] in place (neox style: the two halves form the pairs)
+    by cos_sin [T, 2, head_dim / 2] (`RotaryEmbedding`)."""
+    cos, sin = cos_sin[:, 0].unsqueeze(1), cos_sin[:, 1].unsqueeze(1)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     rotated1 = x1 * cos - x2 * sin
@@ -327,7 +338,10 @@ class RMSNorm(nn.Module):
         # For the CPU path; on the CPU whatever device the model is built on (meta first).
         self._eps = torch.tensor(eps, dtype=torch.float32, device="cpu")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, compiled: bool = False) -> torch.Tensor:
+        """compiled: x is fp32 on CPU and the compiled kernels serve it (`LlamaModel`)."""
+        if compiled:
+            return cpu_layer().rms_norm(x, self.weight, self.eps)
         # In fp32, rounded once at the end for 16-bit input (Hugging Face rounds after
         # normalising and again after scaling: within one ulp).
         if x.is_cuda:
@@ -363,18 +377,18 @@ class Attention(nn.Module):
         self,
         residual: torch.Tensor,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionMetadata,
+        compiled: bool = False,
     ) -> None:
-        """residual += attention(x), in place."""
+        """residual += attention(x), in place. compiled: as in `RMSNorm.forward`."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         # q and k are adjacent columns of qkv: rotate both in one pass.
         qk = qkv[:, : self.q_size + self.kv_size].view(
             num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
         )
-        apply_rotary(qk, *rope)
         query = qk[:, : self.num_heads]
         key = qk[:, self.num_heads :]
         value = qkv[:, self.q_size + self.kv_size :].view(
@@ -384,15 +398,23 @@ class Attention(nn.Module):
         # The model runner built valid metadata: skip the checks that read index tensors,
         # and all checks after the first layer's.
         validate = not attn.validated
-        kernels.write_kv(
-            key,
-            value,
-            k_cache,
-            v_cache,
-            attn.slot_mapping,
-            check_values=False,
-            validate=validate,
-        )
+        if compiled:
+            if validate:
+                check_write_kv(key, value, k_cache, v_cache, attn.slot_mapping, False)
+            cpu_layer().rope_write_kv(
+                qkv, rope, attn.slot_mapping, k_cache, v_cache, self.num_heads
+            )
+        else:
+            apply_rotary(qk, rope)
+            kernels.write_kv(
+                key,
+                value,
+                k_cache,
+                v_cache,
+                attn.slot_mapping,
+                check_values=False,
+                validate=validate,
+            )
         args = (query, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc)
         if validate:  # before the plan is built from the metadata
             check_paged_attention(*args, self.scale, None, check_values=False)
@@ -412,9 +434,12 @@ class MLP(nn.Module):
         )
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
-    def forward(self, residual: torch.Tensor, x: torch.Tensor) -> None:
-        """residual += mlp(x), in place."""
+    def forward(self, residual: torch.Tensor, x: torch.Tensor, compiled: bool = False) -> None:
+        """residual += mlp(x), in place. compiled: as in `RMSNorm.forward`."""
         gate_up = self.gate_up_proj(x)
+        if compiled:
+            self.down_proj.add_into(residual, cpu_layer().silu_mul(gate_up))
+            return
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         self.down_proj.add_into(residual, F.silu(gate).mul_(up))
 
@@ -435,13 +460,16 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionMetadata,
+        compiled: bool = False,
     ) -> torch.Tensor:
+        """compiled: the ops between the GEMMs run in `kernels.cpu_layer`'s kernels."""
         # hidden is the residual stream; each block adds its output into it in place.
-        self.self_attn(hidden, self.input_layernorm(hidden), rope, kv_cache, attn)
-        self.mlp(hidden, self.post_attention_layernorm(hidden))
+        normed = self.input_layernorm(hidden, compiled)
+        self.self_attn(hidden, normed, rope, kv_cache, attn, compiled)
+        self.mlp(hidden, self.post_attention_layernorm(hidden, compiled), compiled)
         return hidden
 
 
@@ -511,10 +539,11 @@ class LlamaModel(nn.Module):
             )
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
+        compiled = torch_ops.compiled_kernels() and cpu_layer().supports(hidden, rope)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, rope, kv_cache, attn)
+            hidden = layer(hidden, rope, kv_cache, attn, compiled)
         # Only the sampled rows need the final norm and the (large) vocabulary projection.
-        return self.compute_logits(self.norm(hidden[logits_indices]))
+        return self.compute_logits(self.norm(hidden[logits_indices], compiled))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head: fp32 logits [S, vocab] of final-normed hidden states [S, hidden]."""

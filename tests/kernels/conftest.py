@@ -48,10 +48,10 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     from pagedinfer.kernels import torch_ops
 
     if request.param == "torch":
-        monkeypatch.delenv("PAGEDINFER_CPU_ATTENTION", raising=False)
+        monkeypatch.delenv("PAGEDINFER_CPU_KERNELS", raising=False)
         assert torch_ops._cpu_decode() is not None, "numba is missing: no compiled decodes"
     else:
-        monkeypatch.setenv("PAGEDINFER_CPU_ATTENTION", "torch")
+        monkeypatch.setenv("PAGEDINFER_CPU_KERNELS", "torch")
     return torch_ops
 
 

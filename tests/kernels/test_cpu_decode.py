@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import pytest
 import torch
 
@@ -97,7 +96,7 @@ def test_every_thread_count_gives_the_same_output(make_batch: Callable, threads:
 def test_only_fp32_cpu_tensors_take_the_kernel(
     make_batch: Callable, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv("PAGEDINFER_CPU_ATTENTION", raising=False)
+    monkeypatch.delenv("PAGEDINFER_CPU_KERNELS", raising=False)
     fp32 = decode_batch(make_batch, [20])
     bf16 = decode_batch(make_batch, [20], dtype=torch.bfloat16)
     assert torch_ops.compiled_decode(fp32.query, fp32.k_cache, fp32.v_cache)
@@ -106,14 +105,14 @@ def test_only_fp32_cpu_tensors_take_the_kernel(
     assert not cpu_decode.supports(fp32.query, strided, strided)
     tracked = fp32.query.clone().requires_grad_()
     assert not cpu_decode.supports(tracked, fp32.k_cache, fp32.v_cache)
-    monkeypatch.setenv("PAGEDINFER_CPU_ATTENTION", "torch")
+    monkeypatch.setenv("PAGEDINFER_CPU_KERNELS", "torch")
     assert not torch_ops.compiled_decode(fp32.query, fp32.k_cache, fp32.v_cache)
 
 
 def test_without_a_plan_fp32_decodes_take_the_kernel_and_others_the_gather(
     make_batch: Callable, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv("PAGEDINFER_CPU_ATTENTION", raising=False)
+    monkeypatch.delenv("PAGEDINFER_CPU_KERNELS", raising=False)
     calls = []
     real = cpu_decode.decode_attention
     monkeypatch.setattr(
@@ -133,25 +132,3 @@ def test_a_compiled_plan_with_tensors_it_cannot_serve_is_refused(make_batch: Cal
     _, plan = run_compiled(fp32)
     with pytest.raises(ValueError, match="plan: compiled decodes"):
         torch_ops.paged_attention(*bf16.args(), plan=plan)
-
-
-def test_without_a_writable_cache_directory_it_compiles_in_memory(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    real_njit = cpu_decode.numba.njit
-
-    def njit(*args: object, cache: bool = False, **options: object) -> object:
-        if cache:  # what numba raises when no cache locator is writable
-            raise RuntimeError("cannot cache function: no locator available")
-        return real_njit(*args, **options)
-
-    monkeypatch.setattr(cpu_decode.numba, "njit", njit)
-
-    @cpu_decode._jit()
-    def add_one(x: np.ndarray) -> None:
-        for i in range(x.shape[0]):
-            x[i] += 1.0
-
-    values = np.zeros(3)
-    add_one(values)
-    assert values.tolist() == [1.0, 1.0, 1.0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from pagedinfer.service.models.llama import (
     AttentionMetadata,
     LlamaModel,
     ModelConfig,
+    cpu_layer,
     cpu_mkl_packing_available,
     cpu_weight_packing_available,
 )
@@ -104,6 +106,13 @@ def assert_close(ours: list[torch.Tensor], theirs: list[torch.Tensor], atol: flo
     for a, b in zip(ours, theirs, strict=True):
         assert a.shape == b.shape
         assert (a - b).abs().max().item() < atol
+
+
+@pytest.fixture(params=["compiled", "torch"])
+def cpu_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both CPU paths: the compiled kernels (numba is a dependency) and torch ops alone."""
+    monkeypatch.setenv("PAGEDINFER_CPU_KERNELS", request.param)
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +216,7 @@ def test_mkl_packed_fp32_weights_compute_what_dense_ones_do(
 
 
 def test_chunked_prefill_and_decode_equal_one_shot(
-    default_model: LoadedModel, default_tokens: list[list[int]]
+    default_model: LoadedModel, default_tokens: list[list[int]], cpu_kernels: str
 ) -> None:
     tokens = default_tokens[2]
     one_shot = our_logits(default_model, [tokens])[0]
@@ -221,6 +230,29 @@ def test_chunked_prefill_and_decode_equal_one_shot(
     last = cache.step(default_model.model, [(0, tokens[-1:], len(tokens) - 1)])[0]
     chunked = torch.cat([first, second, last])
     assert (chunked - one_shot).abs().max().item() < 1e-4
+
+
+def test_fp32_forward_runs_the_compiled_layer_ops_unless_opted_out(
+    default_model: LoadedModel,
+    default_tokens: list[list[int]],
+    cpu_kernels: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: Counter[str] = Counter()
+    module = cpu_layer()
+    for name in ("rms_norm", "silu_mul", "rope_write_kv"):
+        real = getattr(module, name)
+
+        def counted(*args: object, real: Callable = real, name: str = name) -> object:
+            calls[name] += 1
+            return real(*args)
+
+        monkeypatch.setattr(module, name, counted)
+    our_logits(default_model, default_tokens[:2])
+    layers = default_model.config.num_layers
+    # Two norms per layer and the final one.
+    compiled = {"rms_norm": 2 * layers + 1, "silu_mul": layers, "rope_write_kv": layers}
+    assert dict(calls) == (compiled if cpu_kernels == "compiled" else {})
 
 
 def test_logits_only_for_requested_rows(default_model: LoadedModel) -> None:
@@ -296,7 +328,7 @@ def test_batch_is_checked_once_by_the_first_layer(default_model: LoadedModel) ->
     ],
 )
 def test_tiny_models_match_transformers(
-    make_tiny_model: Callable[..., Path], preset: str, overrides: dict
+    make_tiny_model: Callable[..., Path], preset: str, overrides: dict, cpu_kernels: str
 ) -> None:
     path = make_tiny_model(preset, **overrides)
     loaded = load_model(str(path), torch.device("cpu"), torch.float32)

@@ -1,0 +1,158 @@
+"""The small ops between a layer's GEMMs, compiled for CPU with numba (fp32).
+
+Between its four GEMMs a Llama layer runs two RMSNorms, the rotary embedding of q and k,
+the K/V cache write and SiLU-and-multiply: about 30 torch ops on a few KB each at decode
+batch sizes, where each op costs mostly its dispatch (5-15 us). These kernels do the same
+work in three calls:
+- `rms_norm`: one pass per row, fp32 sums;
+- `rope_write_kv`: rotates q and k in place inside the q/k/v GEMM's output and copies
+  each token's k and v rows into its cache slot (slot -1: padding, skipped);
+- `silu_mul`: SiLU of the gate half times the up half.
+
+Measured on SmolLM2-135M, 2 threads, steps alternating between these and the torch ops
+in one engine: a one-sequence decode step took 32.7 against 36.5 ms, 4 sequences 47.0
+against 51.7 ms, 32 sequences 97.8 against 102.7 ms.
+
+The kernels run on the calling thread. At prefill sizes they cost about what the torch
+ops do on two threads (RMSNorm of 512 tokens 89 against 85 us), a few ms against the
+hundreds of a 512-token step's GEMMs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedinfer.kernels.cpu_numba import FASTMATH, exp_into, jit
+
+
+def supports(*tensors: torch.Tensor) -> bool:
+    """Whether these kernels serve the tensors: fp32, on CPU, none tracked by autograd."""
+    return all(
+        t.device.type == "cpu" and t.dtype == torch.float32 and not t.requires_grad for t in tensors
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight, per row of x [tokens, hidden]."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _rms_norm(_rows(x), weight.detach().numpy(), np.float32(eps), out.numpy())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up [tokens, 2 * intermediate] = [gate | up]."""
+    rows = _rows(gate_up)
+    out = torch.empty(rows.shape[0], rows.shape[1] // 2, dtype=gate_up.dtype)
+    _silu_mul(rows, out.numpy())
+    return out
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,
+    cos_sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+) -> None:
+    """Rotate q and k in place and store k and v at their cache slots.
+
+    qkv: contiguous [tokens, (num_heads + 2 * num_kv_heads) * head_dim], the q/k/v
+    GEMM's output (q heads, then k heads, then v heads). cos_sin: [tokens, 2, head_dim /
+    2], each token's cos and sin rows (neox style: the two halves of a head form the
+    pairs). slot_mapping: int64 [tokens]. k_cache, v_cache: contiguous [num_blocks,
+    block_size, num_kv_heads, head_dim]. Raises ValueError for a strided cache (the
+    writes would land in a copy) or a slot past the cache's end.
+    """
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("rope_write_kv: k_cache and v_cache must be contiguous")
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    shape = (num_blocks * block_size, num_kv_heads * head_dim)
+    bad = _rope_write_kv(
+        qkv.numpy(),
+        cos_sin.numpy(),
+        slot_mapping.numpy(),
+        k_cache.numpy().reshape(shape),
+        v_cache.numpy().reshape(shape),
+        num_heads,
+        num_kv_heads,
+    )
+    if bad >= 0:
+        raise ValueError(
+            f"slot_mapping: slot {int(slot_mapping[bad])} of token {bad} is outside the "
+            f"cache's {shape[0]} slots"
+        )
+
+
+def _rows(x: torch.Tensor) -> np.ndarray:
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return x.numpy()
+
+
+@jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
+def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.ndarray) -> None:
+    hidden = x.shape[1]
+    for t in range(x.shape[0]):
+        total = np.float32(0.0)
+        for i in range(hidden):
+            total += x[t, i] * x[t, i]
+        scale = np.float32(1.0) / np.sqrt(total / np.float32(hidden) + eps)
+        for i in range(hidden):
+            out[t, i] = x[t, i] * scale * weight[i]
+
+
+@jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
+def _silu_mul(gate_up: np.ndarray, out: np.ndarray) -> None:
+    width = out.shape[1]
+    negative = np.empty(width, dtype=np.float32)
+    decay = np.empty(width, dtype=np.float32)
+    bits = np.empty(width, dtype=np.int32)
+    for t in range(out.shape[0]):
+        # silu(g) = g * sigmoid(g), with sigmoid from e = exp(-|g|), which cannot
+        # overflow: 1 / (1 + e) for g >= 0, e / (1 + e) below.
+        for i in range(width):
+            g = gate_up[t, i]
+            negative[i] = min(g, -g)
+        exp_into(negative, decay, bits)
+        for i in range(width):
+            g = gate_up[t, i]
+            e = decay[i]
+            top = e if g < np.float32(0.0) else np.float32(1.0)
+            out[t, i] = g * top / (np.float32(1.0) + e) * gate_up[t, width + i]
+
+
+@jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
+def _rope_write_kv(
+    qkv: np.ndarray,
+    cos_sin: np.ndarray,
+    slots: np.ndarray,
+    k_rows: np.ndarray,
+    v_rows: np.ndarray,
+    num_heads: int,
+    num_kv_heads: int,
+) -> int:
+    """Returns the first token whose slot is past the cache's end, or -1 (all written)."""
+    half = cos_sin.shape[2]
+    head_dim = 2 * half
+    k_start = num_heads * head_dim
+    v_start = k_start + num_kv_heads * head_dim
+    width = num_kv_heads * head_dim
+    for t in range(qkv.shape[0]):
+        for h in range(num_heads + num_kv_heads):
+            first = h * head_dim
+            for j in range(half):
+                cos, sin = cos_sin[t, 0, j], cos_sin[t, 1, j]
+                x1, x2 = qkv[t, first + j], qkv[t, first + half + j]
+                qkv[t, first + j] = x1 * cos - x2 * sin
+                qkv[t, first + half + j] = x2 * cos + x1 * sin
+        slot = slots[t]
+        if slot < 0:
+            continue
+        if slot >= k_rows.shape[0]:
+            return t
+        for j in range(width):
+            k_rows[slot, j] = qkv[t, k_start + j]
+            v_rows[slot, j] = qkv[t, v_start + j]
+    return -1

@@ -1,0 +1,68 @@
+"""What the numba-compiled CPU kernels share: the jit decorator, fast-math flags, an exp.
+
+Importing this module imports numba; the kernels' modules are imported only where numba
+is installed (`torch_ops.compiled_kernels`).
+
+numba's disk cache checks only the file that defines a kernel: a kernel compiled with
+`exp_into` keeps the old one after an edit here alone. An install rewrites every file;
+in a working tree, delete the `*.nbi`/`*.nbc` files beside the kernels (or under
+NUMBA_CACHE_DIR) after editing this module.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numba
+import numpy as np
+
+# Reassociation lets LLVM vectorise dot products and sums. No "no-inf" or "no-NaN" flags:
+# running maxima start at -inf, and NaN in the input must come out as NaN.
+FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+_LOG2E = np.float32(1.0 / math.log(2.0))
+# ln 2 in two parts (Cody and Waite): k * _LN2_HI is exact for the k here, so r keeps
+# its precision at large |x|, where one fp32 ln 2 would cost 4e-6 of relative error.
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(math.log(2.0) - 0.693359375)
+
+
+def jit(**options: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """numba.njit, cached on disk when some cache directory is writable (else in memory)."""
+
+    def compile_lazily(function: Callable[..., Any]) -> Callable[..., Any]:
+        try:
+            return numba.njit(cache=True, **options)(function)
+        except RuntimeError:  # numba found no writable cache directory (read-only root fs)
+            return numba.njit(**options)(function)
+
+    return compile_lazily
+
+
+@jit(fastmath=FASTMATH, inline="always")
+def exp_into(x: np.ndarray, out: np.ndarray, bits: np.ndarray) -> None:
+    """out[:n] = exp(x[:n]) for x <= 0 (n = len(x); bits: int32 scratch of n or more).
+
+    As 2**k * e**r with |r| <= ln2 / 2 and a degree-7 polynomial for e**r (within a few
+    fp32 ulps): this loop vectorises, where numba's scalar exp is a libm call
+    per element. Below -87 the result is exp(-87), about 1.6e-38, in place of 0.
+    """
+    n = x.shape[0]
+    for t in range(n):
+        v = max(x[t], np.float32(-87.0))
+        k = np.floor(v * _LOG2E + np.float32(0.5))
+        r = (v - k * _LN2_HI) - k * _LN2_LO
+        p = np.float32(1.0 / 5040.0)
+        p = p * r + np.float32(1.0 / 720.0)
+        p = p * r + np.float32(1.0 / 120.0)
+        p = p * r + np.float32(1.0 / 24.0)
+        p = p * r + np.float32(1.0 / 6.0)
+        p = p * r + np.float32(0.5)
+        p = p * r + np.float32(1.0)
+        p = p * r + np.float32(1.0)
+        out[t] = p
+        bits[t] = (np.int32(k) + np.int32(127)) << np.int32(23)
+    powers = bits[:n].view(np.float32)
+    for t in range(n):
+        out[t] *= powers[t]

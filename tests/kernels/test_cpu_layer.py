@@ -1,0 +1,122 @@
+"""The compiled kernels for the ops between a layer's GEMMs, against the torch ops they
+replace (`pagedinfer.service.models.llama`'s torch path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedinfer.kernels import cpu_layer, torch_ops
+from pagedinfer.service.models.llama import apply_rotary
+
+
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x64 = x.double()
+    scale = torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    return (x64 * scale * weight.double()).float()
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+@pytest.mark.parametrize("hidden", [64, 576])
+def test_rms_norm_matches_the_definition(tokens: int, hidden: int) -> None:
+    gen = torch.Generator().manual_seed(tokens * hidden)
+    x = torch.randn(tokens, hidden, generator=gen) * 3
+    x[0] *= 1e3  # a row of large values: no overflow in the sum of squares
+    weight = torch.rand(hidden, generator=gen) + 0.5
+    out = cpu_layer.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(out, reference_rms_norm(x, weight, 1e-5), rtol=1e-5, atol=1e-6)
+
+
+def test_rms_norm_of_a_strided_input_reads_its_rows() -> None:
+    x = torch.randn(4, 2 * 32)[:, ::2]  # every other column
+    weight = torch.ones(32)
+    out = cpu_layer.rms_norm(x, weight, 1e-6)
+    torch.testing.assert_close(out, reference_rms_norm(x, weight, 1e-6), rtol=1e-5, atol=1e-6)
+
+
+def test_silu_mul_matches_torch_over_the_whole_range() -> None:
+    gate = torch.cat(
+        [
+            torch.linspace(-100.0, 100.0, 2001),
+            torch.tensor([-88.0, -87.0, -20.0, -1e-3, -0.0, 0.0, 1e-3, 20.0, 88.0, 1e30]),
+        ]
+    )
+    up = torch.randn(gate.shape[0], generator=torch.Generator().manual_seed(0))
+    gate_up = torch.cat([gate, up]).view(1, -1).repeat(3, 1)
+    out = cpu_layer.silu_mul(gate_up)
+    expected = (F.silu(gate.double()) * up.double()).float().expand(3, -1)
+    torch.testing.assert_close(out, expected, rtol=2e-6, atol=1e-30)
+
+
+def test_silu_mul_propagates_nan() -> None:
+    gate_up = torch.tensor([[float("nan"), 1.0, 1.0, float("nan")]])
+    out = cpu_layer.silu_mul(gate_up)
+    assert torch.isnan(out).tolist() == [[True, True]]
+
+
+def make_rope_batch(
+    tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv rows, their cos/sin rows, and NaN-filled caches of 8 blocks of 4 slots."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    angles = torch.rand(tokens, 1, head_dim // 2, generator=gen) * 100
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1)
+    cache = torch.full((8, 4, num_kv_heads, head_dim), float("nan"))
+    return qkv, cos_sin, cache, cache.clone()
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 1, 128)]
+)
+def test_rope_write_kv_does_what_rotary_and_write_kv_do(
+    num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    qkv, cos_sin, k_cache, v_cache = make_rope_batch(5, num_heads, num_kv_heads, head_dim)
+    slots = torch.tensor([3, 17, -1, 31, 0])  # -1: padding, not written
+    # The torch path, on copies.
+    expected_qkv = qkv.clone()
+    qk = expected_qkv[:, : (num_heads + num_kv_heads) * head_dim].view(5, -1, head_dim)
+    apply_rotary(qk, cos_sin)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    keep = slots >= 0
+    rows = k_cache.shape[0] * k_cache.shape[1]
+    key = qk[:, num_heads:].reshape(5, -1)
+    value = expected_qkv[:, (num_heads + num_kv_heads) * head_dim :]
+    expected_k.view(rows, -1)[slots[keep]] = key[keep]
+    expected_v.view(rows, -1)[slots[keep]] = value[keep]
+
+    cpu_layer.rope_write_kv(qkv, cos_sin, slots, k_cache, v_cache, num_heads)
+    torch.testing.assert_close(qkv, expected_qkv, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_cache, expected_k, rtol=1e-5, atol=1e-5, equal_nan=True)
+    torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0, equal_nan=True)
+    # Exactly the four slots were written; the rest still hold NaN.
+    written = ~torch.isnan(k_cache.view(rows, -1)).any(-1)
+    assert written.nonzero().flatten().tolist() == [0, 3, 17, 31]
+
+
+def test_rope_write_kv_refuses_a_slot_past_the_cache() -> None:
+    qkv, cos_sin, k_cache, v_cache = make_rope_batch(2, 2, 1, 8)
+    with pytest.raises(ValueError, match="slot_mapping: slot 32 of token 1"):
+        cpu_layer.rope_write_kv(qkv, cos_sin, torch.tensor([0, 32]), k_cache, v_cache, 2)
+
+
+def test_rope_write_kv_refuses_a_strided_cache() -> None:
+    qkv, cos_sin, k_cache, _ = make_rope_batch(2, 2, 2, 8)
+    strided = k_cache.transpose(1, 2)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        cpu_layer.rope_write_kv(qkv, cos_sin, torch.tensor([0, 1]), strided, strided, 2)
+
+
+def test_only_fp32_cpu_tensors_outside_autograd_are_served(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    x = torch.randn(2, 8)
+    assert cpu_layer.supports(x, x)
+    assert not cpu_layer.supports(x, x.bfloat16())
+    assert not cpu_layer.supports(x.clone().requires_grad_())
+    monkeypatch.delenv("PAGEDINFER_CPU_KERNELS", raising=False)
+    assert torch_ops.compiled_kernels()
+    monkeypatch.setenv("PAGEDINFER_CPU_KERNELS", "torch")
+    assert not torch_ops.compiled_kernels()

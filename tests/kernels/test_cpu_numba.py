@@ -1,0 +1,54 @@
+"""What the compiled CPU kernels share: the jit decorator's fallback and the fast exp."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedinfer.kernels import cpu_numba
+
+
+def test_without_a_writable_cache_directory_it_compiles_in_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    real_njit = cpu_numba.numba.njit
+
+    def njit(*args: object, cache: bool = False, **options: object) -> object:
+        if cache:  # what numba raises when no cache locator is writable
+            raise RuntimeError("cannot cache function: no locator available")
+        return real_njit(*args, **options)
+
+    monkeypatch.setattr(cpu_numba.numba, "njit", njit)
+
+    @cpu_numba.jit()
+    def add_one(x: np.ndarray) -> None:
+        for i in range(x.shape[0]):
+            x[i] += 1.0
+
+    values = np.zeros(3)
+    add_one(values)
+    assert values.tolist() == [1.0, 1.0, 1.0]
+
+
+@cpu_numba.jit()
+def _exp(x: np.ndarray) -> np.ndarray:
+    out = np.empty_like(x)
+    cpu_numba.exp_into(x, out, np.empty(x.shape[0], dtype=np.int32))
+    return out
+
+
+def test_exp_is_within_fp32_rounding_over_its_range() -> None:
+    x = np.concatenate(
+        [np.linspace(-87.0, 0.0, 100_001), [0.0, -0.0, -1e-30, -0.34657359, -0.34657360]]
+    ).astype(np.float32)
+    exact = np.exp(x.astype(np.float64))
+    relative = np.abs(_exp(x).astype(np.float64) - exact) / exact
+    assert relative.max() < 3e-7  # a few fp32 ulps (one ulp is 6e-8 to 1.2e-7)
+    assert _exp(np.zeros(1, dtype=np.float32))[0] == 1.0
+
+
+def test_exp_below_its_range_gives_the_smallest_value_not_zero_or_nan() -> None:
+    x = np.array([-88.0, -1000.0, -np.inf], dtype=np.float32)
+    out = _exp(x)
+    assert np.all(out == _exp(np.array([-87.0], dtype=np.float32))[0])
+    assert np.all((out > 0) & (out < 1e-37))
