@@ -15,6 +15,7 @@ from pagedinfer.service.sampler import (
     SampleResult,
     SamplingRow,
     apply_penalties,
+    greedy_tokens,
     make_generator,
     processed_probs,
 )
@@ -51,6 +52,25 @@ def test_greedy_picks_the_argmax_of_every_row():
     results = Sampler()(logits, [row(SamplingParams(temperature=0.0)) for _ in range(8)])
     assert [r.token_id for r in results] == logits.argmax(-1).tolist()
     assert all(r.logprob is None and r.top_logprobs is None for r in results)
+
+
+def test_greedy_tokens_break_ties_and_treat_nan_as_torch_argmax_does():
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor(
+        [
+            [1.0, nan, 3.0, nan],  # NaN counts as the largest; the first one wins
+            [2.0, 5.0, 5.0, 1.0],  # ties: the first
+            [-inf, -inf, -inf, -inf],
+            [inf, 1.0, inf, 0.0],
+        ]
+    )
+    tokens = greedy_tokens(logits)
+    assert tokens.dtype == torch.int64
+    assert tokens.tolist() == logits.argmax(-1).tolist() == [1, 1, 0, 0]
+    # A transposed view and bf16 (which numpy has no type for) give the same answers.
+    wide = random_logits(16, vocab=5000).t().contiguous().t()
+    assert greedy_tokens(wide).tolist() == wide.argmax(-1).tolist()
+    assert greedy_tokens(wide.bfloat16()).tolist() == wide.bfloat16().argmax(-1).tolist()
 
 
 def test_top_k_1_is_greedy():
