@@ -52,3 +52,22 @@ def test_exp_below_its_range_gives_the_smallest_value_not_zero_or_nan() -> None:
     out = _exp(x)
     assert np.all(out == _exp(np.array([-87.0], dtype=np.float32))[0])
     assert np.all((out > 0) & (out < 1e-37))
+
+
+@cpu_numba.jit()
+def _prefetch_then_sum(x: np.ndarray, indices: np.ndarray) -> float:
+    for i in indices:
+        cpu_numba.prefetch(x, i)
+    return x.sum()
+
+
+def test_prefetch_is_only_a_hint_even_far_outside_the_array() -> None:
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    indices = np.array([0, 11, 12, -1, 1 << 40, -(1 << 40)], dtype=np.int64)
+    assert _prefetch_then_sum(x, indices) == 66.0
+    assert x.tolist() == np.arange(12, dtype=np.float32).reshape(3, 4).tolist()
+
+
+def test_prefetch_takes_only_c_contiguous_arrays() -> None:
+    with pytest.raises(cpu_numba.numba.errors.TypingError):
+        _prefetch_then_sum(np.zeros((4, 4), dtype=np.float32)[:, ::2], np.zeros(1, np.int64))
