@@ -385,7 +385,7 @@ class Attention(nn.Module):
         """residual += attention(x), in place. compiled: as in `RMSNorm.forward`."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        # q and k are adjacent columns of qkv: rotate both in one pass.
+        # q and k are adjacent columns of qkv: they are rotated in one pass.
         qk = qkv[:, : self.q_size + self.kv_size].view(
             num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
         )
@@ -398,7 +398,7 @@ class Attention(nn.Module):
         # The model runner built valid metadata: skip the checks that read index tensors,
         # and all checks after the first layer's.
         validate = not attn.validated
-        if compiled:
+        if compiled:  # rotation and cache write in one kernel, reading qkv's rows once
             if validate:
                 check_write_kv(key, value, k_cache, v_cache, attn.slot_mapping, False)
             cpu_layer().rope_write_kv(
@@ -539,6 +539,7 @@ class LlamaModel(nn.Module):
             )
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
+        # fp32 on CPU: the ops between the GEMMs run in `kernels.cpu_layer`'s kernels.
         compiled = torch_ops.compiled_kernels() and cpu_layer().supports(hidden, rope)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, rope, kv_cache, attn, compiled)
