@@ -45,7 +45,12 @@ import torch
 from pagedinfer.kernels.cpu_numba import FASTMATH, exp_into, jit, prefetch
 
 
-def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+def supports(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> bool:
     """Whether `decode_attention` serves these tensors: all fp32, on CPU, the caches
     contiguous, none of them tracked by autograd (the kernel has no backward).
 
@@ -53,12 +58,12 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
     the bytes, and widening in this kernel measured slower (110 vs 105 ms per 32-decode
     step of SmolLM2).
     """
+    tensors = (query, k_cache, v_cache) if out is None else (query, k_cache, v_cache, out)
     return (
-        query.device.type == "cpu"
-        and query.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
-        and not (query.requires_grad or k_cache.requires_grad or v_cache.requires_grad)
+        and not any(t.requires_grad for t in tensors)
     )
 
 
@@ -66,29 +71,31 @@ def decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    rows: np.ndarray,
     block_tables: np.ndarray,
     seq_lens: np.ndarray,
     scale: float,
-) -> torch.Tensor:
-    """Attention of one new token per sequence over its paged context.
+    out: torch.Tensor,
+) -> None:
+    """Attention of one new token per sequence over its paged context, into `out`.
 
-    query: [num_seqs, num_heads, head_dim], the decodes' query rows.
-    block_tables: int32 [num_seqs, max_blocks] and seq_lens: int32 [num_seqs], numpy
+    query, out: [num_tokens, num_heads, head_dim] fp32 (strided views allowed): decode i
+    reads query row rows[i] and writes out row rows[i]; no other row is touched.
+    rows: int64 [n]; block_tables: int32 [n, max_blocks]; seq_lens: int32 [n]: numpy
     arrays built once per batch and shared by every layer. The kernel does not check
-    bounds: every seq_len must be at least 1 and every block id its length needs must
-    lie in the cache. Returns fp32 [num_seqs, num_heads, head_dim].
+    bounds: every row must lie in query, every seq_len must be at least 1 and every block
+    id its length needs must lie in the cache.
     """
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    num_seqs, num_heads = query.shape[:2]
-    q = query.contiguous()
-    out = torch.empty_like(q)
+    num_seqs = rows.shape[0]
     if num_seqs == 0:
-        return out
-    kernel = _kernel(block_size, num_heads, num_kv_heads, head_dim)
+        return
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    kernel = _kernel(block_size, query.shape[1], num_kv_heads, head_dim)
     args = (
-        q.numpy(),
+        query.numpy(),
         k_cache.numpy(),
         v_cache.numpy(),
+        rows,
         block_tables,
         seq_lens,
         np.float32(scale),
@@ -99,7 +106,6 @@ def decode_attention(
     kernel(*args, 0, workers)
     for other in others:
         other.result()
-    return out
 
 
 _pool_lock = threading.Lock()
@@ -124,13 +130,14 @@ def _kernel(
     """The kernel for one model shape (compiled, or loaded from the cache, on first call)."""
     bs, nh, d = block_size, num_heads, head_dim
     group = num_heads // num_kv_heads
-    row = num_kv_heads * head_dim  # one position's K (or V) row
+    width = num_kv_heads * head_dim  # one position's K (or V) row
 
     @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
     def kernel(
         q: np.ndarray,
         k_cache: np.ndarray,
         v_cache: np.ndarray,
+        rows: np.ndarray,
         block_tables: np.ndarray,
         seq_lens: np.ndarray,
         scale: np.float32,
@@ -145,15 +152,16 @@ def _kernel(
         shifted = np.empty(bs, dtype=np.float32)
         bits = np.empty(bs, dtype=np.int32)
         qs = np.empty((nh, d), dtype=np.float32)
-        num_seqs = q.shape[0]
+        num_seqs = rows.shape[0]
         for s in range(worker, num_seqs, workers):
             length = seq_lens[s]
+            query_row = rows[s]
             for h in range(nh):
                 m[h] = -np.inf
                 den[h] = 0.0
                 for j in range(d):
                     acc[h, j] = 0.0
-                    qs[h, j] = q[s, h, j] * scale
+                    qs[h, j] = q[query_row, h, j] * scale
             num_blocks = (length + bs - 1) // bs
             for b in range(num_blocks):
                 block = block_tables[s, b]
@@ -168,8 +176,8 @@ def _kernel(
                 kb, vb = k_cache[block], v_cache[block]
                 k_next, v_next = k_cache[upcoming], v_cache[upcoming]
                 for t in range(n):
-                    for line in range(0, row, 16):  # 16 floats: one 64-byte line
-                        prefetch(k_next, t * row + line)
+                    for line in range(0, width, 16):  # 16 floats: one 64-byte line
+                        prefetch(k_next, t * width + line)
                     for h in range(nh):
                         kh = h // group
                         dot = np.float32(0.0)
@@ -192,8 +200,8 @@ def _kernel(
                     for j in range(d):
                         acc[h, j] *= rescale
                 for t in range(n):
-                    for line in range(0, row, 16):
-                        prefetch(v_next, t * row + line)
+                    for line in range(0, width, 16):
+                        prefetch(v_next, t * width + line)
                     for h in range(nh):
                         kh = h // group
                         p = scores[h, t]
@@ -202,6 +210,6 @@ def _kernel(
             for h in range(nh):
                 inv = np.float32(1.0) / den[h]
                 for j in range(d):
-                    out[s, h, j] = acc[h, j] * inv
+                    out[query_row, h, j] = acc[h, j] * inv
 
     return kernel

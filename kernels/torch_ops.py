@@ -97,7 +97,7 @@ class _Group:
 class _Decodes:
     """The decodes that the compiled kernel serves, longest context first."""
 
-    query_rows: torch.Tensor  # int64 [n]
+    query_rows: np.ndarray  # int64 [n]
     block_tables: np.ndarray  # int32 [n, blocks]
     seq_lens: np.ndarray  # int32 [n]
 
@@ -158,7 +158,7 @@ def plan_attention(
         ids = (query_lens == 1).nonzero().flatten()
         ids = ids[torch.sort(seq_lens[ids], descending=True, stable=True).indices]
         decodes = _Decodes(
-            query_rows=starts[ids],
+            query_rows=starts[ids].numpy(),
             block_tables=block_tables[ids].to(torch.int32).numpy(),
             seq_lens=seq_lens[ids].to(torch.int32).numpy(),
         )
@@ -259,13 +259,13 @@ def paged_attention(
     if plan is None:
         compiled = compiled_decode(query, k_cache, v_cache)
         plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1], compiled)
-    if plan.decodes is not None and plan.decodes.query_rows.numel():
+    if plan.decodes is not None and plan.decodes.query_rows.size:
         d, kernel = plan.decodes, _cpu_decode()
-        if kernel is None or not kernel.supports(query, k_cache, v_cache):
+        if kernel is None or not kernel.supports(query, k_cache, v_cache, out):
             raise ValueError("plan: compiled decodes, but these tensors cannot take them")
-        q = query.index_select(0, d.query_rows)
-        o = kernel.decode_attention(q, k_cache, v_cache, d.block_tables, d.seq_lens, scale)
-        out.index_copy_(0, d.query_rows, o if o.dtype == out.dtype else o.to(out.dtype))
+        kernel.decode_attention(
+            query, k_cache, v_cache, d.query_rows, d.block_tables, d.seq_lens, scale, out
+        )
     num_heads, head_dim = query.shape[1], query.shape[2]
     dtype = compute_dtype(query.dtype, k_cache.dtype)
     for g in plan.groups:

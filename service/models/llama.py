@@ -373,6 +373,18 @@ class Attention(nn.Module):
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
 
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of the q/k/v GEMM's output: q and k heads together (adjacent columns,
+        rotated in one pass), k heads, v heads; each [tokens, heads, head_dim]."""
+        num_tokens = qkv.shape[0]
+        qk = qkv[:, : self.q_size + self.kv_size].view(
+            num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
+        )
+        value = qkv[:, self.q_size + self.kv_size :].view(
+            num_tokens, self.num_kv_heads, self.head_dim
+        )
+        return qk, qk[:, self.num_heads :], value
+
     def forward(
         self,
         residual: torch.Tensor,
@@ -385,26 +397,20 @@ class Attention(nn.Module):
         """residual += attention(x), in place. compiled: as in `RMSNorm.forward`."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        # q and k are adjacent columns of qkv: they are rotated in one pass.
-        qk = qkv[:, : self.q_size + self.kv_size].view(
-            num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
-        )
-        query = qk[:, : self.num_heads]
-        key = qk[:, self.num_heads :]
-        value = qkv[:, self.q_size + self.kv_size :].view(
-            num_tokens, self.num_kv_heads, self.head_dim
-        )
+        query = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         # The model runner built valid metadata: skip the checks that read index tensors,
         # and all checks after the first layer's.
         validate = not attn.validated
         if compiled:  # rotation and cache write in one kernel, reading qkv's rows once
             if validate:
+                _, key, value = self.split_qkv(qkv)
                 check_write_kv(key, value, k_cache, v_cache, attn.slot_mapping, False)
             cpu_layer().rope_write_kv(
                 qkv, rope, attn.slot_mapping, k_cache, v_cache, self.num_heads
             )
         else:
+            qk, key, value = self.split_qkv(qkv)
             apply_rotary(qk, rope)
             kernels.write_kv(
                 key,

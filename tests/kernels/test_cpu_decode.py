@@ -132,3 +132,37 @@ def test_a_compiled_plan_with_tensors_it_cannot_serve_is_refused(make_batch: Cal
     _, plan = run_compiled(fp32)
     with pytest.raises(ValueError, match="plan: compiled decodes"):
         torch_ops.paged_attention(*bf16.args(), plan=plan)
+
+
+def test_reads_and_writes_only_its_rows_of_strided_query_and_out(make_batch: Callable) -> None:
+    # As in the model: query is a view into the q/k/v GEMM's output (rows further apart
+    # than one query row), and the kernel writes its rows of `out` in place.
+    batch = decode_batch(make_batch, EDGE_LENS, num_heads=9, num_kv_heads=3)
+    num_tokens, num_heads, head_dim = batch.query.shape
+    wide = torch.full((num_tokens, (num_heads + 6) * head_dim), float("nan"))
+    wide[:, : num_heads * head_dim] = batch.query.reshape(num_tokens, -1)
+    query = wide[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    assert not query.is_contiguous()
+    plan = torch_ops.plan_attention(
+        batch.block_tables, batch.seq_lens, batch.query_start_loc, 16, compiled=True
+    )
+    decodes = plan.decodes
+    every_other = slice(0, None, 2)
+    out = torch.full_like(batch.query, -7.0)
+    cpu_decode.decode_attention(
+        query,
+        batch.k_cache,
+        batch.v_cache,
+        decodes.query_rows[every_other],
+        decodes.block_tables[every_other],
+        decodes.seq_lens[every_other],
+        batch.scale,
+        out,
+    )
+    written = sorted(decodes.query_rows[every_other].tolist())
+    untouched = [r for r in range(num_tokens) if r not in written]
+    assert torch.all(out[untouched] == -7.0)
+    expected = torch.full_like(out, -7.0)
+    expected[written] = out[written]
+    full = torch_ops.paged_attention(*batch.args(), plan=plan)
+    torch.testing.assert_close(out[written], full[written], rtol=0, atol=0)
