@@ -1,5 +1,7 @@
 """Paged-attention ops: Triton kernels on GPU, a vectorised torch path on CPU (whose fp32
 decodes run in a numba-compiled kernel, `cpu_decode`, where numba is installed).
+`cpu_layer` holds the other compiled CPU kernels: the small ops between a layer's GEMMs,
+which the model calls directly.
 
 KV cache per layer: `k_cache`, `v_cache`, each `[num_blocks, block_size, num_kv_heads,
 head_dim]`. The slot of context position p of a sequence is
