@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedinfer.kernels.cpu_numba import FASTMATH, exp_into, jit, prefetch
+from pagedinfer.kernels.cpu_numba import FASTMATH, exp_into, fp32_cpu, jit, prefetch
 
 
 def supports(
@@ -59,12 +59,7 @@ def supports(
     step of SmolLM2).
     """
     tensors = (query, k_cache, v_cache) if out is None else (query, k_cache, v_cache, out)
-    return (
-        all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
-        and not any(t.requires_grad for t in tensors)
-    )
+    return fp32_cpu(*tensors) and k_cache.is_contiguous() and v_cache.is_contiguous()
 
 
 def decode_attention(

@@ -25,14 +25,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedinfer.kernels.cpu_numba import FASTMATH, exp_into, jit
+from pagedinfer.kernels.cpu_numba import FASTMATH, exp_into, fp32_cpu, jit
 
 
 def supports(*tensors: torch.Tensor) -> bool:
     """Whether these kernels serve the tensors: fp32, on CPU, none tracked by autograd."""
-    return all(
-        t.device.type == "cpu" and t.dtype == torch.float32 and not t.requires_grad for t in tensors
-    )
+    return fp32_cpu(*tensors)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

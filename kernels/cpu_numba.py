@@ -17,6 +17,7 @@ from typing import Any
 
 import numba
 import numpy as np
+import torch
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
@@ -29,6 +30,14 @@ _LOG2E = np.float32(1.0 / math.log(2.0))
 # its precision at large |x|, where one fp32 ln 2 would cost 4e-6 of relative error.
 _LN2_HI = np.float32(0.693359375)
 _LN2_LO = np.float32(math.log(2.0) - 0.693359375)
+
+
+def fp32_cpu(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor is what the compiled kernels take: fp32, on CPU, not tracked
+    by autograd (they have no backward)."""
+    return all(
+        t.device.type == "cpu" and t.dtype == torch.float32 and not t.requires_grad for t in tensors
+    )
 
 
 def jit(**options: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

@@ -124,8 +124,10 @@ def _numba_installed() -> bool:
 
 def compiled_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether decodes on these tensors take the compiled kernel (see the module doc)."""
+    if not compiled_kernels():
+        return False
     module = _cpu_decode()
-    return compiled_kernels() and module is not None and module.supports(query, k_cache, v_cache)
+    return module is not None and module.supports(query, k_cache, v_cache)
 
 
 @functools.cache
