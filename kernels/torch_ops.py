@@ -18,8 +18,9 @@ arithmetic runs in bf16 when query and cache are bf16 and the CPU has native bf1
 elsewhere, are slow on CPU); the output takes query's dtype.
 
 Decodes over an fp32 cache skip the gather where numba is installed: the compiled kernel
-of `cpu_decode` reads their K/V in place, once. PAGEDINFER_CPU_KERNELS=torch keeps them
-on the gather path. Prefills always take it: they are compute-bound, and SDPA's blocked
+of `cpu_decode` reads their K/V in place, once. So do sequences with a few new tokens
+(a decode verifying a speculative draft), one kernel row per token. PAGEDINFER_CPU_KERNELS=torch keeps them
+on the gather path. Longer prefills always take it: they are compute-bound, and SDPA's blocked
 kernel is the better one there.
 
 The bookkeeping (groups, gather indices, padding, masks) depends only on the batch, not
@@ -111,6 +112,11 @@ class AttentionPlan:
     decodes: _Decodes | None = None  # None: every decode is in a group
 
 
+# Sequences with up to this many new tokens go to the compiled decode kernel, one row per
+# token: a decode verifying the longest draft (16 tokens) is 17.
+COMPILED_MAX_QUERY = 17
+
+
 def compiled_kernels() -> bool:
     """Whether the numba-compiled CPU kernels (`cpu_decode`, `cpu_layer`) are in use:
     numba is installed and PAGEDINFER_CPU_KERNELS is not `torch` (the opt-out)."""
@@ -157,14 +163,23 @@ def plan_attention(
     query_lens = starts[1:] - starts[:-1]
     decodes = None
     if compiled:
-        ids = (query_lens == 1).nonzero().flatten()
-        ids = ids[torch.sort(seq_lens[ids], descending=True, stable=True).indices]
+        # A decode, or a decode verifying a draft: each new token becomes a row of its
+        # own over the context up to itself (token i of q new ones sees len - q + i + 1).
+        short = (query_lens >= 1) & (query_lens <= COMPILED_MAX_QUERY)
+        ids = short.nonzero().flatten()
+        qlens = query_lens[ids]
+        seq_of_row = ids.repeat_interleave(qlens)
+        first_row = (qlens.cumsum(0) - qlens).repeat_interleave(qlens)
+        offset = torch.arange(seq_of_row.shape[0]) - first_row
+        lens = seq_lens[seq_of_row] - query_lens[seq_of_row] + 1 + offset
+        order = torch.sort(lens, descending=True, stable=True).indices
+        seq_of_row = seq_of_row[order]
         decodes = _Decodes(
-            query_rows=starts[ids].numpy(),
-            block_tables=block_tables[ids].to(torch.int32).numpy(),
-            seq_lens=seq_lens[ids].to(torch.int32).numpy(),
+            query_rows=(starts[seq_of_row] + offset[order]).numpy(),
+            block_tables=block_tables[seq_of_row].to(torch.int32).numpy(),
+            seq_lens=lens[order].to(torch.int32).numpy(),
         )
-        query_lens = torch.where(query_lens == 1, 0, query_lens)  # no group of their own
+        query_lens = torch.where(short, 0, query_lens)  # no group of their own
     groups = [
         _plan_group(seq_ids, block_tables, seq_lens, query_lens, starts, block_size)
         for seq_ids in _length_groups(query_lens, seq_lens)

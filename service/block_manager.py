@@ -194,8 +194,17 @@ class KVCacheManager:
         for _ in range(num_needed):
             table.append(self.pool.allocate().block_id)
         if self.enable_prefix_caching:
-            self._cache_full_blocks(request, end)
+            # Draft tokens past the request's known tokens may be rejected: their
+            # blocks are cached once the tokens are real.
+            self._cache_full_blocks(request, min(end, request.num_tokens))
         return True
+
+    def trim(self, request: Request) -> None:
+        """Release the blocks past those its tokens occupy (reached by a rejected draft).
+        A contiguous request keeps its reservation."""
+        keep = self.num_blocks_for(request.num_tokens)
+        while len(request.block_table) > keep:
+            self.pool.release(self.pool.blocks[request.block_table.pop()])
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         # Cached as soon as allocated: the model writes a step's KV before any attention

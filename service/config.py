@@ -6,6 +6,9 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 AllocationPolicy = Literal["paged", "contiguous"]
+# A draft this long is verified in one pass; longer ones mostly waste compute on the
+# tokens after the first mismatch.
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass
@@ -30,6 +33,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     allocation_policy: AllocationPolicy = "paged"
     num_threads: int | None = None  # CPU threads; None = OMP_NUM_THREADS, else the CPU quota
+    # N-gram speculative decoding (see spec_decode.py): up to this many draft tokens per
+    # decode, looked up in the sequence's own tokens; 0 turns it off.
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 1  # the shortest n-gram a draft may follow
+    prompt_lookup_max: int = 3  # the longest, tried first
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -41,6 +49,23 @@ class EngineConfig:
             _positive("num_gpu_blocks", self.num_gpu_blocks)
         if self.num_threads is not None:
             _positive("num_threads", self.num_threads)
+        spec = self.num_speculative_tokens
+        if (
+            not isinstance(spec, int)
+            or isinstance(spec, bool)
+            or not 0 <= spec <= MAX_SPECULATIVE_TOKENS
+        ):
+            raise ValueError(
+                f"num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}], "
+                f"got {self.num_speculative_tokens!r}"
+            )
+        _positive("prompt_lookup_min", self.prompt_lookup_min)
+        _positive("prompt_lookup_max", self.prompt_lookup_max)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                f"prompt_lookup_max ({self.prompt_lookup_max})"
+            )
         if self.max_model_len < self.block_size:
             raise ValueError(
                 f"max_model_len ({self.max_model_len}) must be at least block_size ({self.block_size})"
@@ -135,6 +160,25 @@ def add_engine_arguments(parser) -> None:
         default=None,
         help="CPU threads of the forward pass (default: OMP_NUM_THREADS if set, else the "
         "CPUs visible, capped at the container's CPU quota)",
+    )
+    g.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=d.num_speculative_tokens,
+        help="n-gram speculative decoding: draft up to this many tokens per decode from "
+        "the sequence's own earlier tokens, verified in one pass (0 = off)",
+    )
+    g.add_argument(
+        "--prompt-lookup-min",
+        type=int,
+        default=d.prompt_lookup_min,
+        help="shortest n-gram a draft may follow",
+    )
+    g.add_argument(
+        "--prompt-lookup-max",
+        type=int,
+        default=d.prompt_lookup_max,
+        help="longest n-gram a draft may follow (tried first)",
     )
 
 

@@ -27,7 +27,13 @@ from pagedinfer.service.detokenizer import IncrementalDetokenizer
 from pagedinfer.service.loader import load_model
 from pagedinfer.service.model_runner import ModelRunner
 from pagedinfer.service.request import Request, RequestStatus
-from pagedinfer.service.sampler import Sampler, SamplingRow, make_generator
+from pagedinfer.service.sampler import (
+    Sampler,
+    SampleResult,
+    SamplingRow,
+    is_greedy,
+    make_generator,
+)
 from pagedinfer.service.sampling_params import SamplingParams
 from pagedinfer.service.scheduler import Scheduler, SchedulerStats
 from pagedinfer.service.stop_checker import StopChecker
@@ -293,44 +299,76 @@ class LLMEngine:
         if not out.scheduled:
             return []
         model_out = self.runner.execute(out)
-        rows, owners = [], []
-        for i, req in enumerate(model_out.requests):
+        drafts = {s.request.request_id: s.draft_token_ids for s in out.scheduled}
+        rows, owners = [], []  # owners: (logits row, request, group, sample index)
+        first_row = 0
+        for req, num_rows in zip(model_out.requests, model_out.num_rows, strict=True):
             group = self._groups[self._owner[req.request_id]]
             first_of_forking = group.params.n > 1 and req.num_output_tokens == 0
             indices = range(group.params.n) if first_of_forking else [req.index]
+            draft = drafts[req.request_id]
             for index in indices:
                 sample = group.samples.get(index)
-                rows.append(
-                    SamplingRow(
-                        params=group.params,
-                        prompt_token_ids=group.prompt_token_ids,
-                        output_token_ids=req.output_token_ids,
-                        generator=sample.generator
-                        if sample
-                        else make_generator(group.params.seed, index),
+                generator = sample.generator if sample else make_generator(group.params.seed, index)
+                # Row j of a draft's rows follows draft[:j]: the penalties see it.
+                for j in range(num_rows):
+                    outputs = req.output_token_ids + draft[:j] if j else req.output_token_ids
+                    rows.append(
+                        SamplingRow(group.params, group.prompt_token_ids, outputs, generator)
                     )
-                )
-                owners.append((i, req, group, index))
+                    owners.append((first_row + j, req, group, index))
+            first_row += num_rows
         logits = model_out.logits
-        if len(owners) != len(model_out.requests):  # forking rows are sampled n times
+        if len(owners) != logits.shape[0]:  # forking rows are sampled n times
             logits = logits[[i for i, *_ in owners]]
+        states = self._generator_states(model_out, drafts)
         results = self.sampler(logits, rows)
 
-        sampled: dict[str, int] = {}
-        children: list[tuple[Request, _Group, int, int]] = []
+        # Per sample: its tokens (a draft's kept tokens and one more) and their results.
+        picked: dict[tuple[str, int], tuple[Request, _Group, list[SampleResult]]] = {}
         for (_, req, group, index), result in zip(owners, results, strict=True):
+            picked.setdefault((req.request_id, index), (req, group, []))[2].append(result)
+        sampled: dict[str, list[int]] = {}
+        children: list[tuple[Request, _Group, int, int]] = []
+        emitted = []
+        for (request_id, index), (req, group, kept) in picked.items():
+            draft = drafts[request_id]
+            n = 0
+            while n < len(draft) and kept[n].token_id == draft[n]:
+                n += 1
+            del kept[n + 1 :]
+            if request_id in states:  # one draw per kept token, as without a draft
+                self._replay_draws(states[request_id], len(kept))
             if index == req.index:
-                sampled[req.request_id] = result.token_id
+                sampled[request_id] = [r.token_id for r in kept]
+                emitted.append((group, index, kept))
             else:
-                children.append((req, group, index, result.token_id))
+                children.append((req, group, index, kept))
         self.scheduler.update_from_output(out, sampled)
-        for parent, group, index, token in children:
-            self._fork(parent, group, index, token)
+        for parent, group, index, kept in children:
+            self._fork(parent, group, index, kept[0].token_id)
+            emitted.append((group, index, kept))
+        return [self._emit(group, index, kept) for group, index, kept in emitted]
 
-        deltas = []
-        for (_, _req, group, index), result in zip(owners, results, strict=True):
-            deltas.extend(self._emit(group, index, result))
-        return deltas
+    def _generator_states(
+        self, model_out, drafts: dict[str, list[int]]
+    ) -> dict[str, tuple[torch.Generator, torch.Tensor]]:
+        """The state of each seeded generator that draws for a draft's rows: the rows
+        past the first rejected one drew too, and the stream is rewound to skip them."""
+        states = {}
+        for req, num_rows in zip(model_out.requests, model_out.num_rows, strict=True):
+            group = self._groups[self._owner[req.request_id]]
+            sample = group.samples.get(req.index)
+            if num_rows > 1 and sample and sample.generator and not is_greedy(group.params):
+                states[req.request_id] = (sample.generator, sample.generator.get_state())
+        return states
+
+    @staticmethod
+    def _replay_draws(state: tuple[torch.Generator, torch.Tensor], draws: int) -> None:
+        generator, saved = state
+        generator.set_state(saved)
+        for _ in range(draws):  # as the sampler draws: one number per row
+            torch.rand(1, generator=generator, device=generator.device)
 
     def _fork(self, parent: Request, group: _Group, index: int, token: int) -> None:
         child = Request(
@@ -348,20 +386,33 @@ class LLMEngine:
         group.samples[index] = self._new_sample(child, group, index)
         self._owner[child.request_id] = group.request_id
 
-    def _emit(self, group: _Group, index: int, result) -> list[CompletionDelta]:
+    def _emit(self, group: _Group, index: int, kept: list[SampleResult]) -> CompletionDelta:
+        """Detokenize and stop-check a sample's new tokens (already appended to its
+        request), in order; tokens past a stop are dropped from the request."""
         sample = group.samples[index]
         req, params = sample.request, group.params
-        token = req.output_token_ids[-1]
-        new_text = sample.detokenizer.add_token(token)
-        if req.status.is_finished:  # the last token: release any held partial character
-            new_text += sample.detokenizer.flush()
-        sample.text += new_text
-        reason, sample.text = sample.stop.check(token, sample.text, len(new_text))
-        logprobs = None
-        if params.logprobs is not None:
-            logprobs = [
-                {"token_id": token, "logprob": result.logprob, "top": result.top_logprobs or []}
-            ]
+        tokens = [r.token_id for r in kept]
+        logprobs = [] if params.logprobs is not None else None
+        reason = None
+        for n, result in enumerate(kept):
+            last = n == len(kept) - 1
+            new_text = sample.detokenizer.add_token(result.token_id)
+            if last and req.status.is_finished:  # release any held partial character
+                new_text += sample.detokenizer.flush()
+            sample.text += new_text
+            reason, sample.text = sample.stop.check(result.token_id, sample.text, len(new_text))
+            if logprobs is not None:
+                logprobs.append(
+                    {
+                        "token_id": result.token_id,
+                        "logprob": result.logprob,
+                        "top": result.top_logprobs or [],
+                    }
+                )
+            if reason is not None:
+                req.truncate_output(req.num_output_tokens - (len(kept) - 1 - n))
+                tokens = tokens[: n + 1]
+                break
         if reason is None and req.status.is_finished:
             reason = req.status.finish_reason
         if reason is None:
@@ -369,14 +420,14 @@ class LLMEngine:
             ready = len(sample.text) - sample.stop.hold_back
             text = sample.text[sample.emitted : max(ready, sample.emitted)]
             sample.emitted += len(text)
-            return [self._delta(group, index, [token], text, logprobs, None)]
+            return self._delta(group, index, tokens, text, logprobs, None)
         status = (
             RequestStatus.FINISHED_STOPPED if reason == "stop" else RequestStatus.FINISHED_LENGTH
         )
         self.scheduler.finish_request(req.request_id, status)
-        delta = self._finish(group, index, reason, [token], logprobs)
+        delta = self._finish(group, index, reason, tokens, logprobs)
         self._forget_if_done(group)
-        return [delta]
+        return delta
 
     def _finish(self, group, index, reason, token_ids, logprobs) -> CompletionDelta:
         sample = group.samples[index]

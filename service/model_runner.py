@@ -24,10 +24,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ModelOutput:
-    """Logits for the requests whose scheduled chunk reached their last known token."""
+    """Logits for the requests whose scheduled chunk reached their last known token:
+    one row each, or, for a request with a draft, one for its last known token and one
+    per draft token, in order."""
 
-    logits: torch.Tensor  # [len(requests), vocab] fp32, on the CPU
+    logits: torch.Tensor  # [sum(num_rows), vocab] fp32, on the CPU
     requests: list[Request]
+    num_rows: list[int]  # logits rows of each request
 
 
 def kv_block_bytes(loaded: LoadedModel, block_size: int, dtype: torch.dtype) -> int:
@@ -95,7 +98,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         self.copy_blocks(out.copy_blocks)
         if not out.scheduled:
-            return ModelOutput(torch.empty(0, 0), [])
+            return ModelOutput(torch.empty(0, 0), [], [])
         inputs = self._prepare(out)
         logits = self.model(
             inputs.input_ids,
@@ -104,29 +107,32 @@ class ModelRunner:
             inputs.attn,
             inputs.logits_indices,
         )
-        return ModelOutput(logits.float().cpu(), inputs.sample_requests)
+        return ModelOutput(logits.float().cpu(), inputs.sample_requests, inputs.num_rows)
 
     def _prepare(self, out: SchedulerOutput) -> _Inputs:
         B = self.block_size
         ids, positions, slots, seq_lens, starts = [], [], [], [], [0]
         logits_indices: list[int] = []
         sample_requests: list[Request] = []
+        num_rows: list[int] = []
         max_blocks = max(len(s.request.block_table) for s in out.scheduled)
         block_tables = np.zeros((len(out.scheduled), max_blocks), dtype=np.int32)
         for i, s in enumerate(out.scheduled):
-            req, start = s.request, s.request.num_computed_tokens
+            req, start, draft = s.request, s.request.num_computed_tokens, s.draft_token_ids
             end = start + s.num_tokens
+            known_end = end - len(draft)
             table = np.asarray(req.block_table, dtype=np.int64)
             block_tables[i, : len(table)] = table
             pos = np.arange(start, end, dtype=np.int64)
-            ids.append(np.asarray(req.all_token_ids[start:end], dtype=np.int64))
+            ids.append(np.asarray(req.all_token_ids[start:known_end] + draft, dtype=np.int64))
             positions.append(pos)
             slots.append(table[pos // B] * B + pos % B)
             seq_lens.append(end)
             starts.append(starts[-1] + s.num_tokens)
-            if end == req.num_tokens:
-                logits_indices.append(starts[-1] - 1)
+            if known_end == req.num_tokens:
+                logits_indices.extend(range(starts[-1] - 1 - len(draft), starts[-1]))
                 sample_requests.append(req)
+                num_rows.append(1 + len(draft))
 
         def tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
             return torch.from_numpy(a).to(device=self.device, dtype=dtype)
@@ -143,6 +149,7 @@ class ModelRunner:
             attn=attn,
             logits_indices=tensor(np.asarray(logits_indices, dtype=np.int64), torch.int64),
             sample_requests=sample_requests,
+            num_rows=num_rows,
         )
 
 
@@ -153,3 +160,4 @@ class _Inputs:
     attn: AttentionMetadata
     logits_indices: torch.Tensor
     sample_requests: list[Request]
+    num_rows: list[int]

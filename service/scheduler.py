@@ -4,18 +4,22 @@ Each step spends a token budget (max_num_batched_tokens) over at most max_num_se
 requests: running requests first, oldest admission first (one decode token each, or
 their next prefill chunk), then waiting requests in arrival order. When a running
 request cannot get a block, the most recently admitted running request is preempted:
-its blocks are freed and it goes back to the head of the queue to be recomputed. Pure
-Python: the model runner turns a SchedulerOutput into tensors.
+its blocks are freed and it goes back to the head of the queue to be recomputed. With
+speculative decoding on, a decode also carries a draft (spec_decode.py) when the budget
+and its blocks allow, never at the cost of preempting anyone. Pure Python: the model
+runner turns a SchedulerOutput into tensors.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pagedinfer.service.block_manager import KVCacheManager, KVCacheStats
 from pagedinfer.service.config import EngineConfig
 from pagedinfer.service.request import Request, RequestStatus
+from pagedinfer.service.spec_decode import NgramProposer
 
 # Share of the KV blocks that admitting a new request must leave free for the running
 # ones to grow into. Admitting until the pool is full means the next block boundary of
@@ -27,10 +31,12 @@ ADMISSION_WATERMARK = 0.01
 
 @dataclass
 class ScheduledRequest:
-    """Compute all_token_ids[num_computed_tokens : num_computed_tokens + num_tokens]."""
+    """Compute all_token_ids[num_computed_tokens:] up to num_tokens tokens, followed by
+    the draft tokens (a decode's guess at its next tokens, counted in num_tokens)."""
 
     request: Request
     num_tokens: int
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -52,6 +58,8 @@ class SchedulerStats:
     num_preemptions: int  # cumulative
     prefix_cache_queries: int  # cumulative tokens looked up at admission
     prefix_cache_hits: int  # cumulative tokens found in the cache
+    draft_tokens: int = 0  # cumulative draft tokens verified (speculative decoding)
+    accepted_draft_tokens: int = 0  # cumulative draft tokens kept
 
 
 class Scheduler:
@@ -74,6 +82,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.proposer = None
+        if config.num_speculative_tokens:
+            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.draft_tokens = 0
+        self.accepted_draft_tokens = 0
 
     @property
     def num_running(self) -> int:
@@ -129,7 +142,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0 and len(scheduled) < max_seqs:
             request = self.running[i]
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self._allocate_or_preempt(request, num_tokens, preempted):
+            draft = self._draft(request, budget)
+            # A draft only takes blocks that are free: it is a guess, worth no preemption.
+            if draft and self.kv_cache.allocate_slots(request, num_tokens + len(draft)):
+                scheduled.append(ScheduledRequest(request, num_tokens + len(draft), draft))
+                budget -= num_tokens + len(draft)
+                i += 1
+            elif self._allocate_or_preempt(request, num_tokens, preempted):
                 scheduled.append(ScheduledRequest(request, num_tokens))
                 budget -= num_tokens
                 i += 1
@@ -163,6 +182,15 @@ class Scheduler:
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
         )
 
+    def _draft(self, request: Request, budget: int) -> list[int]:
+        """The draft of a decode, sized to the budget and to the tokens it may still
+        emit (a step emits at most the draft plus one)."""
+        if self.proposer is None or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        room = request.sampling_params.max_tokens - request.num_output_tokens - 1
+        limit = min(self.config.num_speculative_tokens, budget - 1, room)
+        return self.proposer.propose(request, limit)
+
     def _allocate_or_preempt(
         self, request: Request, num_tokens: int, preempted: list[Request]
     ) -> bool:
@@ -189,20 +217,38 @@ class Scheduler:
         self.num_preemptions += 1
         return victim
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
-        """Record a step's results: computed tokens, and one sampled token for each
-        request whose chunk reached the end of its tokens. Finishes only on max_tokens;
-        the engine checks stop conditions and calls finish_request."""
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]]
+    ) -> None:
+        """Record a step's results: computed tokens, and the sampled token of each
+        request whose chunk reached the end of its tokens; for a request with a draft,
+        the draft tokens it kept followed by one more token. Finishes only on
+        max_tokens; the engine checks stop conditions and calls finish_request."""
         for item in output.scheduled:
-            request = item.request
+            request, draft = item.request, item.draft_token_ids
             if request.status is not RequestStatus.RUNNING:
                 continue  # finished or aborted since schedule()
-            request.num_computed_tokens += item.num_tokens
+            request.num_computed_tokens += item.num_tokens - len(draft)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk that does not reach the end samples nothing
             if request.request_id not in sampled:
                 raise ValueError(f"request {request.request_id} completed a step with no token")
-            request.append_output_token(sampled[request.request_id])
+            tokens = sampled[request.request_id]
+            tokens = [tokens] if isinstance(tokens, int) else list(tokens)
+            kept = len(tokens) - 1
+            if not tokens or tokens[:kept] != draft[:kept] or kept > len(draft):
+                raise ValueError(
+                    f"request {request.request_id}: sampled {tokens} is not a prefix of its "
+                    f"draft {draft} followed by one token"
+                )
+            # The kept draft tokens' KV was computed in this step, over the right tokens.
+            request.num_computed_tokens += kept
+            for token in tokens:
+                request.append_output_token(token)
+            if draft:
+                self.draft_tokens += len(draft)
+                self.accepted_draft_tokens += kept
+                self.kv_cache.trim(request)  # blocks a rejected draft reached
             if request.num_output_tokens >= request.sampling_params.max_tokens:
                 self.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
 
@@ -263,4 +309,6 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
+            draft_tokens=self.draft_tokens,
+            accepted_draft_tokens=self.accepted_draft_tokens,
         )

@@ -1,0 +1,85 @@
+"""N-gram speculative decoding (prompt lookup): drafts from a sequence's own tokens.
+
+When the last n tokens of a sequence occurred earlier in it, in the prompt or the
+output, the tokens that followed that occurrence are a cheap guess at what comes next.
+The engine feeds the guess (the draft) to the model behind the sequence's last token,
+in the same pass, and keeps the draft's tokens for as long as they agree with what the
+sampler picks from the logits at each position, plus the sampler's pick at the first
+disagreement (or after the whole draft). A decode step then yields 1 to k+1 tokens for
+one pass; the pass carries more tokens, which costs little where decoding is bound by
+reading the weights, as on a CPU at a few dozen tokens per pass.
+
+The output is exactly what decoding one token at a time would give: every kept token
+is the sampler's own pick from logits computed over the same tokens. For random
+sampling too, since a draft is fixed in advance, keeping draft token d at a position
+exactly when the draw there gives d leaves each position's distribution as it was.
+
+The lookup is vLLM's prompt-lookup rule: the longest n-gram first (prompt_lookup_max
+down to prompt_lookup_min), its latest earlier occurrence. Each sequence keeps an index
+of its n-grams, extended by the tokens appended since the last lookup, so a lookup
+costs a few dict reads however long the sequence is.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+from pagedinfer.service.request import Request
+
+
+@dataclass
+class _NgramIndex:
+    """For each n, every n-gram that ends before the sequence's last token, mapped to
+    the position just after its latest occurrence (the token that followed it)."""
+
+    by_length: dict[int, dict[tuple[int, ...], int]]
+    indexed: int = 0  # n-grams ending at positions below this are in the index
+
+
+@dataclass
+class NgramProposer:
+    """Proposes drafts of up to `max_tokens` tokens per call (see the module doc)."""
+
+    lookup_min: int
+    lookup_max: int
+    _indexes: weakref.WeakKeyDictionary = field(
+        default_factory=weakref.WeakKeyDictionary, init=False, repr=False
+    )
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.lookup_min <= self.lookup_max:
+            raise ValueError(
+                f"need 1 <= lookup_min <= lookup_max, got {self.lookup_min} and {self.lookup_max}"
+            )
+
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        """Up to max_tokens tokens that may follow the request's tokens; [] if no n-gram
+        of its tail occurred before."""
+        if max_tokens <= 0:
+            return []
+        tokens = request.all_token_ids
+        index = self._indexes.get(request)
+        if index is None:
+            lengths = range(self.lookup_min, self.lookup_max + 1)
+            index = self._indexes[request] = _NgramIndex({n: {} for n in lengths})
+        self._extend(index, tokens)
+        end = len(tokens)
+        for n in range(self.lookup_max, self.lookup_min - 1, -1):
+            if n >= end:
+                continue
+            follow = index.by_length[n].get(tuple(tokens[end - n : end]))
+            if follow is not None:
+                return tokens[follow : follow + max_tokens]
+        return []
+
+    @staticmethod
+    def _extend(index: _NgramIndex, tokens: list[int]) -> None:
+        # The n-gram ending at the last token is the one looked up: it is indexed only
+        # once a token follows it, so a lookup never finds the tail itself.
+        last = len(tokens) - 1
+        for stop in range(index.indexed, last + 1):
+            for n, grams in index.by_length.items():
+                if stop >= n:
+                    grams[tuple(tokens[stop - n : stop])] = stop
+        index.indexed = max(index.indexed, last + 1)
