@@ -1,4 +1,5 @@
-"""Throughput side by side in one run: pagedinfer (paged and contiguous) against Hugging Face.
+"""Throughput side by side in one run: pagedinfer (paged, paged with n-gram speculative
+decoding, contiguous) against Hugging Face.
 
 Workload (DESIGN.md section 8): N requests with ShareGPT-like lognormal lengths scaled down
 for a CPU, fixed seed, fixed output lengths (EOS ignored) so every system does the same
@@ -32,7 +33,7 @@ from pagedinfer.service.engine import LLMEngine
 from pagedinfer.service.loader import load_model
 from pagedinfer.service.sampling_params import SamplingParams
 
-SYSTEMS = ("paged", "contiguous", "hf_static", "hf_continuous")
+SYSTEMS = ("paged", "paged_spec", "contiguous", "hf_static", "hf_continuous")
 
 
 @dataclass
@@ -171,9 +172,11 @@ def _serve(
         sp = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
         ids.append(engine.add_request(prompt, sp, arrival_time=time.monotonic()))
     peak = 0
+    passes = 0
     timeline = []
     while engine.has_unfinished():
         deltas = engine.step()
+        passes += 1
         now = time.perf_counter() - start
         stats = engine.stats()
         peak = max(peak, stats.running)
@@ -190,6 +193,7 @@ def _serve(
     stats = engine.stats()
     extra = {
         "peak_running": peak,
+        "steps": passes,
         "preemptions": stats.num_preemptions - before.num_preemptions,
         "kv_blocks": stats.kv.total,
         "prefix_cache_hit_rate": round(
@@ -198,6 +202,12 @@ def _serve(
             4,
         ),
     }
+    drafts = stats.draft_tokens - before.draft_tokens
+    if drafts:
+        accepted = stats.accepted_draft_tokens - before.accepted_draft_tokens
+        extra["draft_tokens"] = drafts
+        extra["accepted_draft_tokens"] = accepted
+        extra["draft_acceptance_rate"] = round(accepted / drafts, 4)
     return summarise(name, wl, elapsed, params, gflops, ttfts, tpots, extra), timeline
 
 
@@ -476,6 +486,12 @@ def main(argv: list[str] | None = None) -> int:
     # once with paging, about 10 sequences with contiguous max_model_len reservations.
     ap.add_argument("--kv-cache-memory", type=int, default=256 * 2**20, help="bytes, both policies")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=4,
+        help="draft tokens per decode of the paged_spec system (n-gram prompt lookup)",
+    )
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument(
@@ -580,6 +596,11 @@ def main(argv: list[str] | None = None) -> int:
                 result, timeline = run_pagedinfer(
                     name, wl, base, params, gflops, engine if first else None, warm, passes
                 )
+            elif name == "paged_spec":
+                cfg = EngineConfig(
+                    **{**base.__dict__, "num_speculative_tokens": args.num_speculative_tokens}
+                )
+                result, timeline = run_pagedinfer(name, wl, cfg, params, gflops, warmup=warm)
             elif name == "contiguous":
                 cfg = EngineConfig(**{**base.__dict__, "allocation_policy": "contiguous"})
                 result, timeline = run_pagedinfer(name, wl, cfg, params, gflops, warmup=warm)
@@ -669,7 +690,9 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 gl[f"max_speedup_vs_{name}"] = round(seconds / gl["any_engine_floor_s"], 2)
     ratios = {}
-    for a, b in (("paged", "hf_static"), ("paged", "hf_continuous"), ("paged", "contiguous")):
+    pairs = [(a, b) for a in ("paged", "paged_spec") for b in ("hf_static", "hf_continuous")]
+    pairs += [("paged", "contiguous"), ("paged_spec", "paged")]
+    for a, b in pairs:
         if a in results and b in results:
             ratios[f"{a}_vs_{b}"] = round(
                 results[a]["output_tokens_per_s"] / results[b]["output_tokens_per_s"], 2

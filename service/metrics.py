@@ -56,6 +56,8 @@ class EngineStats(Protocol):
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    draft_tokens: int
+    accepted_draft_tokens: int
 
 
 StatsSource = Callable[[], EngineStats | None]
@@ -107,6 +109,12 @@ class ServerMetrics:
         counter("pagedinfer.prefix_cache.hits", "{token}",
                 "Prompt tokens served from the prefix cache.",
                 lambda s: s.prefix_cache_hits)  # fmt: skip
+        counter("pagedinfer.spec_decode.draft_tokens", "{token}",
+                "Draft tokens verified by speculative decoding.",
+                lambda s: s.draft_tokens)  # fmt: skip
+        counter("pagedinfer.spec_decode.accepted_tokens", "{token}",
+                "Draft tokens kept: each saved a forward pass of its sequence.",
+                lambda s: s.accepted_draft_tokens)  # fmt: skip
 
         self.time_to_first_token = meter.create_histogram(
             "gen_ai.server.time_to_first_token",

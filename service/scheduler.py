@@ -138,11 +138,14 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
 
+        # Tokens the running requests still need: a draft gets only what they leave.
+        pending = sum(r.num_tokens - r.num_computed_tokens for r in self.running)
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled) < max_seqs:
             request = self.running[i]
+            pending -= request.num_tokens - request.num_computed_tokens
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            draft = self._draft(request, budget)
+            draft = self._draft(request, budget - num_tokens - pending)
             # A draft only takes blocks that are free: it is a guess, worth no preemption.
             if draft and self.kv_cache.allocate_slots(request, num_tokens + len(draft)):
                 scheduled.append(ScheduledRequest(request, num_tokens + len(draft), draft))
@@ -182,14 +185,13 @@ class Scheduler:
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
         )
 
-    def _draft(self, request: Request, budget: int) -> list[int]:
-        """The draft of a decode, sized to the budget and to the tokens it may still
-        emit (a step emits at most the draft plus one)."""
+    def _draft(self, request: Request, spare: int) -> list[int]:
+        """The draft of a decode: at most `spare` tokens of budget, and no more than the
+        request may still emit after this step's token."""
         if self.proposer is None or request.num_tokens - request.num_computed_tokens != 1:
             return []
         room = request.sampling_params.max_tokens - request.num_output_tokens - 1
-        limit = min(self.config.num_speculative_tokens, budget - 1, room)
-        return self.proposer.propose(request, limit)
+        return self.proposer.propose(request, min(self.config.num_speculative_tokens, spare, room))
 
     def _allocate_or_preempt(
         self, request: Request, num_tokens: int, preempted: list[Request]

@@ -30,6 +30,8 @@ def engine_stats(**overrides):
         num_preemptions=7,
         prefix_cache_queries=320,
         prefix_cache_hits=64,
+        draft_tokens=90,
+        accepted_draft_tokens=55,
     )
     for key, value in overrides.items():
         setattr(stats, key, value)
@@ -85,6 +87,8 @@ def test_gauges_and_counters_read_the_engine_stats(harness):
         "pagedinfer.preemptions": 7,
         "pagedinfer.prefix_cache.queries": 320,
         "pagedinfer.prefix_cache.hits": 64,
+        "pagedinfer.spec_decode.draft_tokens": 90,
+        "pagedinfer.spec_decode.accepted_tokens": 55,
     }
 
 
