@@ -43,6 +43,9 @@ ENGINE_FLAGS = {
     "maxNumBatchedTokens": "--max-num-batched-tokens",
     "maxModelLen": "--max-model-len",
     "dtype": "--dtype",
+    "numSpeculativeTokens": "--num-speculative-tokens",
+    "promptLookupMin": "--prompt-lookup-min",
+    "promptLookupMax": "--prompt-lookup-max",
 }
 
 

@@ -20,6 +20,10 @@ KIND = "InferenceService"
 PLURAL = "inferenceservices"
 
 DEFAULT_REPLICAS = 1  # neither replicas nor autoscaling set
+# `pagedinfer serve`'s own defaults, which the CRD's rule on spec.engine assumes for an
+# unset bound; a test keeps them equal to the server's.
+SERVER_PROMPT_LOOKUP_MIN = 1
+SERVER_PROMPT_LOOKUP_MAX = 3
 DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 
 
@@ -170,4 +174,11 @@ def validation_errors(body: Mapping[str, Any]) -> list[str]:
     engine = raw.get("engine") or {}
     if engine.get("maxModelLen", 1 << 30) < engine.get("blockSize", 0):
         errors.append("spec.engine.maxModelLen: must be at least blockSize")
+    lookup_min = engine.get("promptLookupMin", SERVER_PROMPT_LOOKUP_MIN)
+    lookup_max = engine.get("promptLookupMax", SERVER_PROMPT_LOOKUP_MAX)
+    if lookup_min > lookup_max:
+        errors.append(
+            f"spec.engine.promptLookupMin: must not exceed promptLookupMax "
+            f"({lookup_min} > {lookup_max})"
+        )
     return errors

@@ -230,6 +230,34 @@ def test_server_args_the_operator_builds_are_accepted_by_pagedinfer_serve(full_b
     assert parsed.command == "serve"
 
 
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {"numSpeculativeTokens": 0},
+        {"numSpeculativeTokens": 16, "promptLookupMin": 32, "promptLookupMax": 32},
+        {"numSpeculativeTokens": 4, "promptLookupMin": 3},
+    ],
+)
+def test_speculative_decoding_settings_the_crd_admits_start_the_server(engine, isvc_validator):
+    """Within the CRD's bounds and rules, the server's own config takes the values."""
+    from pagedinfer.service.cli import build_parser
+    from pagedinfer.service.config import config_from_args
+
+    body = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "metadata": {"name": "spec-decode"},
+        "spec": {"engine": engine},
+    }
+    assert schema_errors(isvc_validator, body) == []
+    assert spec.validation_errors(body) == []
+    args = resources.server_args(spec.parse_spec(body["spec"]))
+    config = config_from_args(build_parser("serve").parse_args(args))
+    assert config.num_speculative_tokens == engine["numSpeculativeTokens"]
+    assert config.prompt_lookup_min == engine.get("promptLookupMin", 1)
+    assert config.prompt_lookup_max == engine.get("promptLookupMax", 3)
+
+
 # -- examples ----------------------------------------------------------------------
 
 

@@ -138,6 +138,23 @@ def test_engine_settings_become_server_flags() -> None:
     assert args[-2:] == ["--seed", "7"]
 
 
+def test_speculative_decoding_settings_become_server_flags() -> None:
+    spec = {"engine": {"numSpeculativeTokens": 4, "promptLookupMin": 2, "promptLookupMax": 5}}
+    args = server_args(parse_spec(spec))
+    flags = dict(zip(args[1::2], args[2::2], strict=False))
+    assert flags["--num-speculative-tokens"] == "4"
+    assert flags["--prompt-lookup-min"] == "2"
+    assert flags["--prompt-lookup-max"] == "5"
+
+
+def test_speculative_decoding_off_is_passed_on_and_unset_is_left_to_the_server() -> None:
+    off = server_args(parse_spec({"engine": {"numSpeculativeTokens": 0}}))
+    assert off[off.index("--num-speculative-tokens") + 1] == "0"
+    unset = server_args(parse_spec({"engine": {"maxNumSeqs": 8}}))
+    for flag in ("--num-speculative-tokens", "--prompt-lookup-min", "--prompt-lookup-max"):
+        assert flag not in unset
+
+
 def test_a_pvc_model_is_mounted_read_only() -> None:
     body = cr({"model": {"source": {"pvc": {"claimName": "models", "path": "llama"}}}})
     pod = build_deployment(body, 1, IMAGE)["spec"]["template"]["spec"]

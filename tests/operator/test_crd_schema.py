@@ -32,6 +32,8 @@ from pagedinfer.operator.spec import (
     GROUP,
     KIND,
     PLURAL,
+    SERVER_PROMPT_LOOKUP_MAX,
+    SERVER_PROMPT_LOOKUP_MIN,
     VERSION,
     parse_spec,
     validation_errors,
@@ -84,7 +86,7 @@ def test_every_cel_rule_compiles() -> None:
 
     env = celpy.Environment()
     rules = all_cel_rules()
-    assert len(rules) == 6
+    assert len(rules) == 7
     for rule in rules:
         env.compile(rule)
 
@@ -175,6 +177,36 @@ INVALID = {
         False,
     ),
     "an unknown dtype": ({"engine": {"dtype": "int4"}}, "spec.engine.dtype", False),
+    "more draft tokens than the server verifies": (
+        {"engine": {"numSpeculativeTokens": 17}},
+        "spec.engine.numSpeculativeTokens",
+        False,
+    ),
+    "a negative number of draft tokens": (
+        {"engine": {"numSpeculativeTokens": -1}},
+        "spec.engine.numSpeculativeTokens",
+        False,
+    ),
+    "a zero-token n-gram": (
+        {"engine": {"promptLookupMin": 0}},
+        "spec.engine.promptLookupMin",
+        False,
+    ),
+    "an n-gram longer than the bound": (
+        {"engine": {"promptLookupMax": 33}},
+        "spec.engine.promptLookupMax",
+        False,
+    ),
+    "promptLookupMin above promptLookupMax": (
+        {"engine": {"promptLookupMin": 4, "promptLookupMax": 2}},
+        "spec.engine.promptLookupMin",
+        True,
+    ),
+    "promptLookupMin above the server's default promptLookupMax": (
+        {"engine": {"numSpeculativeTokens": 4, "promptLookupMin": 4}},
+        "spec.engine.promptLookupMin",
+        True,
+    ),
     "both model sources": (
         {"model": {"source": {"image": {"path": "/m"}, "pvc": {"claimName": "c"}}}},
         "spec.model.source",
@@ -240,9 +272,33 @@ def test_python_rules_agree_with_the_crd_on_valid_objects() -> None:
         {"replicas": 0},
         AUTOSCALED,
         {"model": {"source": {"pvc": {"claimName": "c"}}}},
+        {"engine": {"numSpeculativeTokens": 0}},
+        {"engine": {"numSpeculativeTokens": 16, "promptLookupMin": 32, "promptLookupMax": 32}},
+        {"engine": {"promptLookupMin": 3}},  # up to the server's default max
+        {"engine": {"promptLookupMax": 1}},  # down to the server's default min
     ]:
         assert admission_errors(isvc(spec)) == []
         assert validation_errors(isvc(spec)) == []
+
+
+def test_the_promptlookup_refusal_names_both_values() -> None:
+    body = isvc({"engine": {"promptLookupMin": 5, "promptLookupMax": 4}})
+    assert validation_errors(body) == [
+        "spec.engine.promptLookupMin: must not exceed promptLookupMax (5 > 4)"
+    ]
+
+
+def test_the_speculative_decoding_bounds_are_the_servers() -> None:
+    from pagedinfer.service.config import MAX_SPECULATIVE_TOKENS, EngineConfig
+
+    engine = openapi_schema()["properties"]["spec"]["properties"]["engine"]["properties"]
+    spec_tokens = engine["numSpeculativeTokens"]
+    assert (spec_tokens["minimum"], spec_tokens["maximum"]) == (0, MAX_SPECULATIVE_TOKENS)
+    assert engine["promptLookupMin"]["minimum"] == engine["promptLookupMax"]["minimum"] == 1
+    # The CEL rule and validation_errors assume the server's defaults for an unset bound.
+    server = EngineConfig()
+    assert server.prompt_lookup_min == SERVER_PROMPT_LOOKUP_MIN
+    assert server.prompt_lookup_max == SERVER_PROMPT_LOOKUP_MAX
 
 
 def test_the_operator_defaults_equal_the_crd_defaults() -> None:
