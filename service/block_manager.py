@@ -137,6 +137,11 @@ class KVCacheManager:
         """Blocks a request holding num_tokens tokens occupies under this policy."""
         return self.reserved_blocks or -(-num_tokens // self.block_size)
 
+    def num_new_blocks(self, request: Request, num_new_tokens: int) -> int:
+        """Blocks the request's next num_new_tokens tokens add to its table."""
+        end = request.num_computed_tokens + num_new_tokens
+        return max(self.num_blocks_for(end) - len(request.block_table), 0)
+
     def get_computed_blocks(self, request: Request) -> list[Block]:
         """Longest chain of cached full blocks matching the request's leading tokens.
 

@@ -415,6 +415,8 @@ class LLMEngine:
                 break
         if reason is None and req.status.is_finished:
             reason = req.status.finish_reason
+        elif reason == "stop" and req.status is RequestStatus.FINISHED_LENGTH:
+            req.status = RequestStatus.FINISHED_STOPPED  # the stop came first: it is the reason
         if reason is None:
             # Hold back a tail that may still grow into a stop string.
             ready = len(sample.text) - sample.stop.hold_back

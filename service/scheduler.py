@@ -138,16 +138,29 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
 
-        # Tokens the running requests still need: a draft gets only what they leave.
-        pending = sum(r.num_tokens - r.num_computed_tokens for r in self.running)
+        # The tokens and blocks the running requests still need: a draft gets only what
+        # they leave, so that it never costs anyone a step or a preemption.
+        pending = pending_blocks = 0
+        if self.proposer is not None:
+            for r in self.running:
+                pending += r.num_tokens - r.num_computed_tokens
+                pending_blocks += self.kv_cache.num_new_blocks(
+                    r, r.num_tokens - r.num_computed_tokens
+                )
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled) < max_seqs:
             request = self.running[i]
-            pending -= request.num_tokens - request.num_computed_tokens
             num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            draft = self._draft(request, budget - num_tokens - pending)
-            # A draft only takes blocks that are free: it is a guess, worth no preemption.
-            if draft and self.kv_cache.allocate_slots(request, num_tokens + len(draft)):
+            draft = []
+            if self.proposer is not None:
+                pending -= request.num_tokens - request.num_computed_tokens
+                pending_blocks -= self.kv_cache.num_new_blocks(
+                    request, request.num_tokens - request.num_computed_tokens
+                )
+                draft = self._draft(request, budget - num_tokens - pending)
+            if draft and self.kv_cache.allocate_slots(
+                request, num_tokens + len(draft), keep_free=pending_blocks
+            ):
                 scheduled.append(ScheduledRequest(request, num_tokens + len(draft), draft))
                 budget -= num_tokens + len(draft)
                 i += 1
@@ -188,7 +201,12 @@ class Scheduler:
     def _draft(self, request: Request, spare: int) -> list[int]:
         """The draft of a decode: at most `spare` tokens of budget, and no more than the
         request may still emit after this step's token."""
-        if self.proposer is None or request.num_tokens - request.num_computed_tokens != 1:
+        # Not before the first output: the prompt's last token samples it, and a request
+        # with n > 1 forks there.
+        decoding = (
+            request.num_output_tokens > 0 and request.num_tokens - request.num_computed_tokens == 1
+        )
+        if not decoding:
             return []
         room = request.sampling_params.max_tokens - request.num_output_tokens - 1
         return self.proposer.propose(request, min(self.config.num_speculative_tokens, spare, room))

@@ -92,9 +92,8 @@ class AttentionMetadata:
     ) -> torch_ops.AttentionPlan:
         block_size = k_cache.shape[1]
         if self.cpu_plan is None or self.cpu_plan.block_size != block_size:
-            compiled = torch_ops.compiled_decode(query, k_cache, v_cache)
-            self.cpu_plan = torch_ops.plan_attention(
-                self.block_tables, self.seq_lens, self.query_start_loc, block_size, compiled
+            self.cpu_plan = torch_ops.plan_for(
+                query, k_cache, v_cache, self.block_tables, self.seq_lens, self.query_start_loc
             )
         return self.cpu_plan
 
