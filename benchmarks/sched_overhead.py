@@ -50,11 +50,13 @@ class SteadyLoad:
         self.count += 1
 
     def step(self, out: SchedulerOutput) -> None:
-        """What the engine does after the model: one token per request that sampled."""
+        """What the engine does after the model: one token per request that sampled,
+        after the whole draft where it had one (the most bookkeeping a step can need)."""
         sampled = {
-            s.request.request_id: 1000
+            s.request.request_id: [*s.draft_token_ids, 1000]
             for s in out.scheduled
-            if s.request.num_computed_tokens + s.num_tokens == s.request.num_tokens
+            if s.request.num_computed_tokens + s.num_tokens - len(s.draft_token_ids)
+            == s.request.num_tokens
         }
         self.scheduler.update_from_output(out, sampled)
 
@@ -101,6 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--forward-repeats", type=int, default=3)
     ap.add_argument("--no-model", action="store_true", help="skip the real forward pass")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=0,
+        help="n-gram drafts per decode (the stand-in model keeps every draft token)",
+    )
     ap.add_argument("--json", action="store_true", help="print only the JSON summary")
     args = ap.parse_args(argv)
 
@@ -108,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=args.running,
         max_num_batched_tokens=max(2048, args.running),
         max_model_len=args.prompt_len + args.max_output + 16,
+        num_speculative_tokens=args.num_speculative_tokens,
     )
     blocks_per_seq = config.max_blocks_per_seq
     num_blocks = args.running * blocks_per_seq + 16  # no preemption: the steady state
@@ -135,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         "sched_cpu_ms_per_step_p50": round(sched_s * 1e3, 3),
         "sched_cpu_ms_per_step_p99": round(float(np.percentile(times, 99)) * 1e3, 3),
         "threads": torch.get_num_threads(),
+        "num_speculative_tokens": args.num_speculative_tokens,
     }
     if runner is not None:
         forward_s = measure_forward(load, runner, args.forward_repeats)
