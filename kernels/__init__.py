@@ -1,5 +1,6 @@
 """Paged-attention ops: Triton kernels on GPU, a vectorised torch path on CPU (whose fp32
-decodes run in a numba-compiled kernel, `cpu_decode`, where numba is installed).
+decodes run in numba-compiled kernels where numba is installed: `cpu_decode`, and
+`cpu_verify` for the tokens of a decode verifying a draft).
 `cpu_layer` holds the other compiled CPU kernels: the small ops between a layer's GEMMs,
 which the model calls directly.
 

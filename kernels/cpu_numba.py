@@ -1,18 +1,34 @@
-"""What the numba-compiled CPU kernels share: the jit decorator, fast-math flags, an exp.
+"""What the numba-compiled CPU kernels share: the jit decorator, fast-math flags, an exp,
+a prefetch hint, stack arrays, exact whole-vector lane ops, and the worker threads.
 
 Importing this module imports numba; the kernels' modules are imported only where numba
 is installed (`torch_ops.compiled_kernels`).
 
-numba's disk cache checks only the file that defines a kernel: a kernel compiled with
-`exp_into` keeps the old one after an edit here alone. An install rewrites every file;
-in a working tree, delete the `*.nbi`/`*.nbc` files beside the kernels (or under
-NUMBA_CACHE_DIR) after editing this module.
+LLVM vectorises simple loops by itself, but not a register-blocked kernel: given a loop
+nest that accumulates a few rows of 16 floats over a long loop, it vectorises the long
+loop instead (with horizontal sums), and it keeps no accumulator in a register when it
+cannot prove that the accumulator's memory aliases no other array. `stack_array` gives
+memory that LLVM knows is private (and 64-byte aligned), and the `lanes_*` ops each
+compile to one LLVM vector operation on the first `width` floats of their arrays: an
+accumulator tile written only through them becomes vector registers (512-bit where the
+CPU has AVX-512), as in `cpu_verify`. The lane ops are also exact (see below), which lets
+two kernels compute the same attention to the bit.
+
+numba's disk cache checks only the file that defines a kernel: a kernel that uses a
+helper from here keeps the old helper after an edit here alone. An install rewrites
+every file; in a working tree, delete the `*.nbi`/`*.nbc` files beside the kernels (or
+under NUMBA_CACHE_DIR) after editing this module.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numba
@@ -21,6 +37,7 @@ import torch
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
+from numba.np.arrayobj import make_array, populate_array
 
 # Reassociation lets LLVM vectorise dot products and sums. No "no-inf" or "no-NaN" flags:
 # running maxima start at -inf, and NaN in the input must come out as NaN.
@@ -105,3 +122,229 @@ def prefetch(typingctx: Any, array: Any, index: Any) -> Any:
         return context.get_dummy_value()
 
     return types.void(array, index), codegen
+
+
+@dataclass(frozen=True)
+class Job:
+    """A compiled kernel's call: kernel(*args, worker, workers) runs its tasks worker,
+    worker + workers, ... of num_tasks."""
+
+    kernel: Callable[..., None]
+    args: tuple[Any, ...]
+    num_tasks: int
+
+
+def run_jobs(jobs: Sequence[Job]) -> None:
+    """Run the jobs' tasks on the caller and pool threads: a worker per torch thread (at
+    most one per task of the largest job), each doing its share of every job in turn, so
+    that one dispatch to the threads (some 60 us on 2 threads) serves them all. The
+    kernels release the GIL; sorting each job's tasks by work, largest first, gives the
+    workers similar shares.
+    """
+    jobs = [job for job in jobs if job.num_tasks]
+    if not jobs:
+        return
+    workers = max(1, min(torch.get_num_threads(), max(job.num_tasks for job in jobs)))
+
+    def share(worker: int) -> None:
+        for job in jobs:
+            job.kernel(*job.args, worker, workers)
+
+    others = [_pool(workers).submit(share, w) for w in range(1, workers)]
+    share(0)
+    for other in others:
+        other.result()
+
+
+_pool_lock = threading.Lock()
+
+
+@functools.cache
+def _pool_of(size: int, pid: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(size, thread_name_prefix="pagedinfer-attention")
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """Threads for the workers beyond the caller's own, one pool per size in use. Keyed by
+    process too: a forked child inherits the pool object but none of its threads."""
+    with _pool_lock:
+        return _pool_of(workers - 1, os.getpid())
+
+
+@intrinsic
+def stack_array(typingctx: Any, shape: Any) -> Any:
+    """A float32 C-contiguous array of `shape` (a tuple of integer constants) in the
+    calling function's stack frame: one buffer per call site, allocated once per call of
+    that function, uninitialised. It must not outlive the function (never return it).
+    """
+    if not (
+        isinstance(shape, types.BaseTuple)
+        and len(shape) > 0
+        and all(isinstance(n, types.IntegerLiteral) for n in shape)
+    ):
+        return None
+    dims = [n.literal_value for n in shape]
+    array_type = types.Array(types.float32, len(dims), "C")
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        f32 = ir.FloatType()
+        with builder.goto_entry_block():
+            slot = builder.alloca(ir.ArrayType(f32, math.prod(dims)))
+            slot.align = 64  # whole cache lines: a 16-float row is one aligned vector
+        intp = context.get_value_type(types.intp)
+        array = make_array(array_type)(context, builder)
+        populate_array(
+            array,
+            data=builder.bitcast(slot, f32.as_pointer()),
+            shape=[ir.Constant(intp, n) for n in dims],
+            strides=[ir.Constant(intp, 4 * math.prod(dims[i + 1 :])) for i in range(len(dims))],
+            itemsize=ir.Constant(intp, 4),
+            meminfo=None,
+        )
+        return array._getvalue()
+
+    return array_type(shape), codegen
+
+
+def _is_lanes(t: Any) -> bool:
+    return (
+        isinstance(t, types.Array) and t.dtype == types.float32 and t.ndim == 1 and t.layout == "C"
+    )
+
+
+def _lane_op(args: tuple[Any, ...], combine: Callable[..., Any]) -> Any:
+    """Typing and code of `y[:width] = combine(y, operands...)` as one LLVM vector operation.
+
+    args: (y, operands..., width). y is a 1-D C-contiguous float32 array; each operand is
+    one too (its first `width` elements) or a float scalar (the same in every lane); width
+    is an integer constant. Nothing is bounds-checked.
+    """
+    y, *operands, width = args
+    if not (
+        isinstance(width, types.IntegerLiteral)
+        and _is_lanes(y)
+        and all(_is_lanes(a) or isinstance(a, types.Float) for a in operands)
+    ):
+        return None
+    w = width.literal_value
+
+    def codegen(context: Any, builder: Any, signature: Any, cargs: Any) -> Any:
+        vector = ir.VectorType(ir.FloatType(), w)
+
+        def lanes(i: int) -> Any:
+            if not isinstance(signature.args[i], types.Array):
+                one = context.cast(builder, cargs[i], signature.args[i], types.float32)
+                lane0 = builder.insert_element(
+                    ir.Constant(vector, ir.Undefined), one, ir.IntType(32)(0)
+                )
+                zeros = ir.Constant(ir.VectorType(ir.IntType(32), w), [0] * w)
+                return builder.shuffle_vector(lane0, ir.Constant(vector, ir.Undefined), zeros)
+            return builder.load(pointer(i), align=4)
+
+        def pointer(i: int) -> Any:
+            data = context.make_array(signature.args[i])(context, builder, cargs[i]).data
+            return builder.bitcast(data, vector.as_pointer())
+
+        values = [lanes(i) for i in range(1 + len(operands))]
+        builder.store(combine(builder, *values), pointer(0), align=4)
+        return context.get_dummy_value()
+
+    return types.void(*args), codegen
+
+
+# The lane ops are exact IEEE operations, each rounded once: LLVM may not reassociate,
+# fuse or approximate them, so two kernels that compute a value with the same sequence of
+# lane ops get the same bits (`cpu_verify` and `cpu_decode` rely on it). numba gives the
+# kernel's fast-math flags to every float instruction that has none, so these carry
+# "afn" (approximate library functions), which changes nothing for +, * and /.
+_EXACT = ("afn",)
+
+
+def _fma(builder: Any, x: Any, a: Any, y: Any) -> Any:
+    """x * a + y, rounded once: llvm.fma on float vectors."""
+    name = f"llvm.fma.v{x.type.count}f32"
+    function = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(x.type, [x.type] * 3), name
+    )
+    return builder.call(function, [x, a, y])
+
+
+@intrinsic
+def lanes_fma(typingctx: Any, y: Any, x: Any, a: Any, width: Any) -> Any:
+    """y[:width] = x[:width] * a + y[:width], rounded once (a: lanes or a scalar)."""
+    return _lane_op((y, x, a, width), lambda b, y, x, a: _fma(b, x, a, y))
+
+
+@intrinsic
+def lanes_fma_where(typingctx: Any, y: Any, x: Any, a: Any, width: Any) -> Any:
+    """`lanes_fma` in the lanes where x is not 0: elsewhere y stays as it is, even where a
+    is NaN or inf (0 * a would be NaN)."""
+
+    def combine(b: Any, y: Any, x: Any, a: Any) -> Any:
+        nonzero = b.fcmp_ordered("!=", x, ir.Constant(x.type, None))
+        return b.select(nonzero, _fma(b, x, a, y), y)
+
+    return _lane_op((y, x, a, width), combine)
+
+
+@intrinsic
+def lanes_add(typingctx: Any, y: Any, x: Any, width: Any) -> Any:
+    """y[:width] = y[:width] + x (x: lanes or a scalar)."""
+    return _lane_op((y, x, width), lambda b, y, x: b.fadd(y, x, flags=_EXACT))
+
+
+@intrinsic
+def lanes_mul(typingctx: Any, y: Any, x: Any, s: Any, width: Any) -> Any:
+    """y[:width] = x[:width] * s (s: lanes or a scalar)."""
+    return _lane_op((y, x, s, width), lambda b, y, x, s: b.fmul(x, s, flags=_EXACT))
+
+
+@intrinsic
+def lanes_div(typingctx: Any, y: Any, x: Any, s: Any, width: Any) -> Any:
+    """y[:width] = x[:width] / s (s: lanes or a scalar)."""
+    return _lane_op((y, x, s, width), lambda b, y, x, s: b.fdiv(x, s, flags=_EXACT))
+
+
+@intrinsic
+def lanes_max(typingctx: Any, y: Any, x: Any, width: Any) -> Any:
+    """y[:width] = max(y[:width], x), elementwise (x where either is NaN)."""
+    return _lane_op((y, x, width), lambda b, y, x: b.select(b.fcmp_ordered(">=", y, x), y, x))
+
+
+@intrinsic
+def lanes_copy(typingctx: Any, y: Any, x: Any, width: Any) -> Any:
+    """y[:width] = x (x: lanes or a scalar)."""
+    return _lane_op((y, x, width), lambda b, y, x: x)
+
+
+@intrinsic
+def lanes_sum(typingctx: Any, x: Any, width: Any) -> Any:
+    """The sum of x[:width] (width a power of 2) by halving: the first half plus the second,
+    elementwise, until one lane is left."""
+    if not (
+        _is_lanes(x)
+        and isinstance(width, types.IntegerLiteral)
+        and width.literal_value > 0
+        and width.literal_value & (width.literal_value - 1) == 0
+    ):
+        return None
+    w = width.literal_value
+
+    def codegen(context: Any, builder: Any, signature: Any, cargs: Any) -> Any:
+        data = context.make_array(signature.args[0])(context, builder, cargs[0]).data
+        vector = ir.VectorType(ir.FloatType(), w)
+        values = builder.load(builder.bitcast(data, vector.as_pointer()), align=4)
+        i32 = ir.IntType(32)
+        half = w // 2
+        while half:
+            low = ir.Constant(ir.VectorType(i32, half), list(range(half)))
+            high = ir.Constant(ir.VectorType(i32, half), list(range(half, 2 * half)))
+            values = builder.fadd(
+                builder.shuffle_vector(values, values, low),
+                builder.shuffle_vector(values, values, high),
+                flags=_EXACT,
+            )
+            half //= 2
+        return builder.extract_element(values, i32(0))
+
+    return types.float32(x, width), codegen

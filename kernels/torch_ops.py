@@ -18,10 +18,12 @@ arithmetic runs in bf16 when query and cache are bf16 and the CPU has native bf1
 elsewhere, are slow on CPU); the output takes query's dtype.
 
 Decodes over an fp32 cache skip the gather where numba is installed: the compiled kernel
-of `cpu_decode` reads their K/V in place, once. So do sequences with a few new tokens
-(a decode verifying a speculative draft), one kernel row per token. PAGEDINFER_CPU_KERNELS=torch keeps them
-on the gather path. Longer prefills always take it: they are compute-bound, and SDPA's blocked
-kernel is the better one there.
+of `cpu_decode` reads their K/V in place, once. So do sequences with a few new tokens (a
+decode verifying a speculative draft): `cpu_verify` takes runs of their tokens, reading
+each block once for a whole run, and `cpu_decode` the rest, a row per token; both give a
+token the same bits, and one dispatch to the threads runs both. PAGEDINFER_CPU_KERNELS=torch
+keeps them on the gather path. Longer prefills always take it: they are compute-bound,
+and SDPA's blocked kernel is the better one there.
 
 The bookkeeping (groups, gather indices, padding, masks) depends only on the batch, not
 on the layer: `plan_attention` computes it once, and a model passes the plan to every
@@ -104,12 +106,25 @@ class _Decodes:
 
 
 @dataclass
+class _Runs:
+    """Runs of new tokens of one sequence that the compiled verify kernel serves, the
+    longest context first (see `cpu_verify.verify_attention`)."""
+
+    query_rows: np.ndarray  # int64 [n], query row of the run's first token
+    counts: np.ndarray  # int32 [n], tokens in the run
+    block_tables: np.ndarray  # int32 [n, blocks]
+    seq_lens: np.ndarray  # int32 [n], the first token's context, up to and including it
+
+
+@dataclass
 class AttentionPlan:
     """The per-batch bookkeeping of `paged_attention`, shared by every layer's call."""
 
     groups: list[_Group]
     block_size: int
     decodes: _Decodes | None = None  # None: every decode is in a group
+    runs: _Runs | None = None  # None: no verify kernel
+    verify_rows: int = 0  # the longest run
 
 
 # Sequences with up to this many new tokens go to the compiled decode kernel, one row per
@@ -146,45 +161,140 @@ def _cpu_decode() -> ModuleType | None:
     return cpu_decode
 
 
+def compiled_verify_rows(query: torch.Tensor, k_cache: torch.Tensor) -> int:
+    """The most new tokens of one sequence that the compiled verify kernel serves in one
+    run for these shapes, 0 for none (`cpu_verify.rows_per_run`). Meaningful only where
+    `compiled_decode` holds: it checks nothing else."""
+    module = _cpu_verify()
+    if module is None:
+        return 0
+    return module.rows_per_run(query.shape[1], k_cache.shape[2], k_cache.shape[3])
+
+
+@functools.cache
+def _cpu_verify() -> ModuleType | None:
+    """The compiled verify kernel's module, or None where numba is not installed."""
+    if not _numba_installed():
+        return None
+    from pagedinfer.kernels import cpu_verify
+
+    return cpu_verify
+
+
+def plan_for(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> AttentionPlan:
+    """The plan `paged_attention` makes when given none: the compiled kernels wherever
+    these tensors allow them."""
+    compiled = compiled_decode(query, k_cache, v_cache)
+    verify_rows = compiled_verify_rows(query, k_cache) if compiled else 0
+    return plan_attention(
+        block_tables, seq_lens, query_start_loc, k_cache.shape[1], compiled, verify_rows
+    )
+
+
 def plan_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     block_size: int,
     compiled: bool = False,
+    verify_rows: int = 0,
 ) -> AttentionPlan:
     """Group the sequences and build every index and mask the layers will need.
 
-    compiled: the decodes go to the compiled kernel (`compiled_decode` says whether the
-    tensors allow it) instead of padded groups.
+    compiled: sequences with up to COMPILED_MAX_QUERY new tokens go to the compiled
+    kernels (`compiled_decode` says whether the tensors allow it) instead of padded groups.
+    verify_rows: with compiled, the verify kernel takes their tokens in runs of up to this
+    many (`compiled_verify_rows`); 0 gives every token a row of its own.
     """
     starts = query_start_loc.long()
     seq_lens = seq_lens.long()
     query_lens = starts[1:] - starts[:-1]
-    decodes = None
+    decodes = runs = None
     if compiled:
-        # A decode, or a decode verifying a draft: each new token becomes a row of its
-        # own over the context up to itself (token i of q new ones sees len - q + i + 1).
         short = (query_lens >= 1) & (query_lens <= COMPILED_MAX_QUERY)
         ids = short.nonzero().flatten()
-        qlens = query_lens[ids]
-        seq_of_row = ids.repeat_interleave(qlens)
-        first_row = (qlens.cumsum(0) - qlens).repeat_interleave(qlens)
-        offset = torch.arange(seq_of_row.shape[0]) - first_row
-        lens = seq_lens[seq_of_row] - query_lens[seq_of_row] + 1 + offset
-        order = torch.sort(lens, descending=True, stable=True).indices
-        seq_of_row = seq_of_row[order]
-        decodes = _Decodes(
-            query_rows=(starts[seq_of_row] + offset[order]).numpy(),
-            block_tables=block_tables[seq_of_row].to(torch.int32).numpy(),
-            seq_lens=lens[order].to(torch.int32).numpy(),
-        )
+        in_runs = _tokens_in_runs(query_lens[ids], verify_rows)
+        decodes = _plan_rows(ids, in_runs, block_tables, seq_lens, query_lens, starts)
+        if verify_rows:
+            runs = _plan_runs(ids, in_runs, verify_rows, block_tables, seq_lens, query_lens, starts)
         query_lens = torch.where(short, 0, query_lens)  # no group of their own
     groups = [
         _plan_group(seq_ids, block_tables, seq_lens, query_lens, starts, block_size)
         for seq_ids in _length_groups(query_lens, seq_lens)
     ]
-    return AttentionPlan(groups, block_size, decodes)
+    return AttentionPlan(groups, block_size, decodes, runs, verify_rows if runs is not None else 0)
+
+
+def _tokens_in_runs(query_lens: torch.Tensor, verify_rows: int) -> torch.Tensor:
+    """How many of each sequence's first new tokens the verify kernel takes: whole runs of
+    verify_rows, then a last run of the rest if it is at least half as long (and at least
+    2). A run costs about the same whatever its length, so shorter ones, and plain decodes,
+    are cheaper a row per token."""
+    if not verify_rows:
+        return torch.zeros_like(query_lens)
+    whole = query_lens // verify_rows * verify_rows
+    rest = query_lens - whole
+    return whole + torch.where(rest >= max(2, (verify_rows + 1) // 2), rest, 0)
+
+
+def _plan_rows(
+    ids: torch.Tensor,
+    in_runs: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    starts: torch.Tensor,
+) -> _Decodes:
+    """A row per new token of sequences `ids` past their first in_runs: token i of q new
+    ones sees len - q + i + 1 positions. Longest context first."""
+    qlens = query_lens[ids]
+    seq_of_row = ids.repeat_interleave(qlens)
+    first_row = (qlens.cumsum(0) - qlens).repeat_interleave(qlens)
+    offset = torch.arange(seq_of_row.shape[0]) - first_row
+    keep = offset >= in_runs.repeat_interleave(qlens)
+    seq_of_row, offset = seq_of_row[keep], offset[keep]
+    lens = seq_lens[seq_of_row] - query_lens[seq_of_row] + 1 + offset
+    order = torch.sort(lens, descending=True, stable=True).indices
+    seq_of_row = seq_of_row[order]
+    return _Decodes(
+        query_rows=(starts[seq_of_row] + offset[order]).numpy(),
+        block_tables=block_tables[seq_of_row].to(torch.int32).numpy(),
+        seq_lens=lens[order].to(torch.int32).numpy(),
+    )
+
+
+def _plan_runs(
+    ids: torch.Tensor,
+    in_runs: torch.Tensor,
+    verify_rows: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    starts: torch.Tensor,
+) -> _Runs:
+    """The first in_runs new tokens of sequences `ids`, in runs of up to verify_rows.
+    Longest context first: every run costs about the same per position."""
+    num_runs = (in_runs + verify_rows - 1) // verify_rows
+    seq_of_run = ids.repeat_interleave(num_runs)
+    first_run = (num_runs.cumsum(0) - num_runs).repeat_interleave(num_runs)
+    offset = (torch.arange(seq_of_run.shape[0]) - first_run) * verify_rows
+    counts = torch.clamp(in_runs.repeat_interleave(num_runs) - offset, max=verify_rows)
+    lens = seq_lens[seq_of_run] - query_lens[seq_of_run] + 1 + offset
+    order = torch.sort(lens + counts, descending=True, stable=True).indices
+    seq_of_run = seq_of_run[order]
+    return _Runs(
+        query_rows=(starts[seq_of_run] + offset[order]).numpy(),
+        counts=counts[order].to(torch.int32).numpy(),
+        block_tables=block_tables[seq_of_run].to(torch.int32).numpy(),
+        seq_lens=lens[order].to(torch.int32).numpy(),
+    )
 
 
 def _plan_group(
@@ -274,15 +384,8 @@ def paged_attention(
     if query.shape[0] == 0:
         return out
     if plan is None:
-        compiled = compiled_decode(query, k_cache, v_cache)
-        plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1], compiled)
-    if plan.decodes is not None and plan.decodes.query_rows.size:
-        d, kernel = plan.decodes, _cpu_decode()
-        if kernel is None or not kernel.supports(query, k_cache, v_cache, out):
-            raise ValueError("plan: compiled decodes, but these tensors cannot take them")
-        kernel.decode_attention(
-            query, k_cache, v_cache, d.query_rows, d.block_tables, d.seq_lens, scale, out
-        )
+        plan = plan_for(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    _run_compiled(plan, query, k_cache, v_cache, scale, out)
     num_heads, head_dim = query.shape[1], query.shape[2]
     dtype = compute_dtype(query.dtype, k_cache.dtype)
     for g in plan.groups:
@@ -301,6 +404,53 @@ def paged_attention(
             o = o.index_select(0, g.valid)
         out.index_copy_(0, g.out_rows, o if o.dtype == out.dtype else o.to(out.dtype))
     return out
+
+
+def _run_compiled(
+    plan: AttentionPlan,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """The plan's compiled decodes and verify runs, in one dispatch to the threads."""
+    jobs = []
+    d, r = plan.decodes, plan.runs
+    if d is not None and d.query_rows.size:
+        decode = _cpu_decode()
+        if decode is None or not decode.supports(query, k_cache, v_cache, out):
+            raise ValueError("plan: compiled decodes, but these tensors cannot take them")
+        jobs.append(
+            decode.decode_job(
+                query, k_cache, v_cache, d.query_rows, d.block_tables, d.seq_lens, scale, out
+            )
+        )
+    if r is not None and r.query_rows.size:
+        verify = _cpu_verify()
+        if (
+            verify is None
+            or not _cpu_decode().supports(query, k_cache, v_cache, out)
+            or compiled_verify_rows(query, k_cache) < plan.verify_rows
+        ):
+            raise ValueError("plan: compiled verify runs, but these tensors cannot take them")
+        jobs.append(
+            verify.verify_job(
+                query,
+                k_cache,
+                v_cache,
+                r.query_rows,
+                r.counts,
+                r.block_tables,
+                r.seq_lens,
+                scale,
+                out,
+            )
+        )
+    if jobs:
+        from pagedinfer.kernels.cpu_numba import run_jobs  # imports numba: only here
+
+        run_jobs(jobs)
 
 
 # A group has a fixed cost (a dozen small ops and one SDPA launch, about 70 us per layer)

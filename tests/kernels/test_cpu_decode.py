@@ -69,8 +69,9 @@ def test_large_scores_stay_finite_and_exact(make_batch: Callable) -> None:
     batch.assert_matches_reference(out)
 
 
-def test_mixed_batch_sends_only_decodes_to_the_kernel(make_batch: Callable) -> None:
-    seq_lens, query_lens = [7, 33, 40, 50, 3, 90], [1, 33, 12, 1, 3, 1]
+def test_mixed_batch_sends_longer_prefills_to_the_gather_path(make_batch: Callable) -> None:
+    # Past COMPILED_MAX_QUERY (17) new tokens a sequence is a prefill for SDPA.
+    seq_lens, query_lens = [7, 33, 40, 50, 18, 90], [1, 33, 20, 1, 18, 1]
     batch = make_batch(seq_lens, query_lens, num_heads=9, num_kv_heads=3)
     out, plan = run_compiled(batch)
     starts = batch.query_start_loc.tolist()
@@ -114,10 +115,8 @@ def test_without_a_plan_fp32_decodes_take_the_kernel_and_others_the_gather(
 ) -> None:
     monkeypatch.delenv("PAGEDINFER_CPU_KERNELS", raising=False)
     calls = []
-    real = cpu_decode.decode_attention
-    monkeypatch.setattr(
-        cpu_decode, "decode_attention", lambda *args: calls.append(1) or real(*args)
-    )
+    real = cpu_decode.decode_job
+    monkeypatch.setattr(cpu_decode, "decode_job", lambda *args: calls.append(1) or real(*args))
     fp32 = decode_batch(make_batch, [20, 40])
     fp32.assert_matches_reference(torch_ops.paged_attention(*fp32.args()))
     assert calls == [1]

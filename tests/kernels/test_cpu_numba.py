@@ -71,3 +71,46 @@ def test_prefetch_is_only_a_hint_even_far_outside_the_array() -> None:
 def test_prefetch_takes_only_c_contiguous_arrays() -> None:
     with pytest.raises(cpu_numba.numba.errors.TypingError):
         _prefetch_then_sum(np.zeros((4, 4), dtype=np.float32)[:, ::2], np.zeros(1, np.int64))
+
+
+@cpu_numba.jit(fastmath=cpu_numba.FASTMATH)
+def _fma_then_sum(y: np.ndarray, x: np.ndarray, a: float) -> float:
+    # Inside a fast-math kernel, as the kernels call them.
+    tile = cpu_numba.stack_array((2, 4))
+    cpu_numba.lanes_copy(tile[0], y, 4)
+    cpu_numba.lanes_fma(tile[0], x, a, 4)
+    cpu_numba.lanes_copy(tile[1], tile[0], 4)
+    cpu_numba.lanes_copy(y, tile[1], 4)
+    return cpu_numba.lanes_sum(y, 4)
+
+
+def test_lane_ops_round_each_step_once_even_in_a_fast_math_kernel() -> None:
+    # (1 + 2^-12)^2 - (1 + 2^-11) is 2^-24 with one rounding, 0 with two.
+    near_one = np.float32(1 + 2**-12)
+    y = np.array([-(1 + 2**-11), 0.0, 0.0, 0.0], dtype=np.float32)
+    x = np.array([near_one, 0.0, 0.0, 0.0], dtype=np.float32)
+    assert _fma_then_sum(y, x, near_one) == np.float32(2**-24)
+    assert y[0] == np.float32(2**-24)
+
+
+def test_lanes_sum_adds_by_halving() -> None:
+    # (1e8 + -1e8) + (1 + 1) = 2; in order, 1e8 + 1 would lose the 1.
+    y = np.array([1e8, 1.0, -1e8, 1.0], dtype=np.float32)
+    assert _fma_then_sum(y, np.zeros(4, dtype=np.float32), 0.0) == 2.0
+
+
+@cpu_numba.jit(fastmath=cpu_numba.FASTMATH)
+def _fma_where(y: np.ndarray, x: np.ndarray, a: float) -> None:
+    cpu_numba.lanes_fma_where(y, x, a, 4)
+
+
+def test_fma_where_skips_zero_weights_even_against_nan() -> None:
+    y = np.array([1.0, 2.0, 3.0, 4.0], dtype=np.float32)
+    _fma_where(y, np.array([0.0, 0.5, 0.0, 2.0], dtype=np.float32), np.nan)
+    assert y[0] == 1.0 and y[2] == 3.0
+    assert np.isnan(y[1]) and np.isnan(y[3])
+
+
+def test_lane_ops_take_only_c_contiguous_float32_rows() -> None:
+    with pytest.raises(cpu_numba.numba.errors.TypingError):
+        _fma_where(np.zeros(8, dtype=np.float32)[::2], np.zeros(4, dtype=np.float32), 1.0)
