@@ -25,7 +25,7 @@ from pagedinfer.kernels import torch_ops
 from pagedinfer.service.config import EngineConfig
 from pagedinfer.service.detokenizer import IncrementalDetokenizer
 from pagedinfer.service.loader import load_model
-from pagedinfer.service.model_runner import ModelRunner
+from pagedinfer.service.model_runner import ModelOutput, ModelRunner
 from pagedinfer.service.request import Request, RequestStatus
 from pagedinfer.service.sampler import (
     Sampler,
@@ -321,7 +321,7 @@ class LLMEngine:
         logits = model_out.logits
         if len(owners) != logits.shape[0]:  # forking rows are sampled n times
             logits = logits[[i for i, *_ in owners]]
-        states = self._generator_states(model_out, drafts)
+        states = self._generator_states(model_out)
         results = self.sampler(logits, rows)
 
         # Per sample: its tokens (a draft's kept tokens and one more) and their results.
@@ -351,15 +351,17 @@ class LLMEngine:
         return [self._emit(group, index, kept) for group, index, kept in emitted]
 
     def _generator_states(
-        self, model_out, drafts: dict[str, list[int]]
+        self, model_out: ModelOutput
     ) -> dict[str, tuple[torch.Generator, torch.Tensor]]:
         """The state of each seeded generator that draws for a draft's rows: the rows
         past the first rejected one drew too, and the stream is rewound to skip them."""
         states = {}
         for req, num_rows in zip(model_out.requests, model_out.num_rows, strict=True):
+            if num_rows == 1:
+                continue
             group = self._groups[self._owner[req.request_id]]
             sample = group.samples.get(req.index)
-            if num_rows > 1 and sample and sample.generator and not is_greedy(group.params):
+            if sample and sample.generator and not is_greedy(group.params):
                 states[req.request_id] = (sample.generator, sample.generator.get_state())
         return states
 
