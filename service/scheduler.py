@@ -150,23 +150,21 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled) < max_seqs:
             request = self.running[i]
-            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            need = request.num_tokens - request.num_computed_tokens
+            num_tokens = min(need, budget)
             draft = []
             if self.proposer is not None:
-                pending -= request.num_tokens - request.num_computed_tokens
-                pending_blocks -= self.kv_cache.num_new_blocks(
-                    request, request.num_tokens - request.num_computed_tokens
-                )
+                pending -= need
+                pending_blocks -= self.kv_cache.num_new_blocks(request, need)
                 draft = self._draft(request, budget - num_tokens - pending)
-            if draft and self.kv_cache.allocate_slots(
-                request, num_tokens + len(draft), keep_free=pending_blocks
-            ):
+                # A guess gets only blocks nothing else needs; short of them, it is dropped.
+                if draft and not self.kv_cache.allocate_slots(
+                    request, num_tokens + len(draft), keep_free=pending_blocks
+                ):
+                    draft = []
+            if draft or self._allocate_or_preempt(request, num_tokens, preempted):
                 scheduled.append(ScheduledRequest(request, num_tokens + len(draft), draft))
                 budget -= num_tokens + len(draft)
-                i += 1
-            elif self._allocate_or_preempt(request, num_tokens, preempted):
-                scheduled.append(ScheduledRequest(request, num_tokens))
-                budget -= num_tokens
                 i += 1
 
         # Admit nothing in a step that had to preempt: memory is short.
@@ -256,7 +254,7 @@ class Scheduler:
             tokens = sampled[request.request_id]
             tokens = [tokens] if isinstance(tokens, int) else list(tokens)
             kept = len(tokens) - 1
-            if not tokens or tokens[:kept] != draft[:kept] or kept > len(draft):
+            if not tokens or tokens[:kept] != draft[:kept]:  # also when kept > len(draft)
                 raise ValueError(
                     f"request {request.request_id}: sampled {tokens} is not a prefix of its "
                     f"draft {draft} followed by one token"
