@@ -252,6 +252,23 @@ def critical_path(
     }
 
 
+def passes_gemm_seconds(
+    model,
+    passes: list[tuple[int, int]],
+    curve: dict[int, float] | None = None,
+    lm_curve: dict[int, float] | None = None,
+) -> float:
+    """The engine's own GEMMs (layers and LM head) in a run's passes, each (tokens,
+    logits rows), timed at each distinct size as the model computes them. The curves,
+    when given, hold times already measured."""
+    curve, lm_curve = dict(curve or {}), dict(lm_curve or {})
+    for m in {m for m, _ in passes} - curve.keys():
+        curve[m] = limits.layer_gemm_seconds(model, m)
+    for r in {r for _, r in passes if r} - lm_curve.keys():
+        lm_curve[r] = limits.lm_head_seconds(model, r)
+    return sum(curve[m] for m, _ in passes) + sum(lm_curve[r] for _, r in passes if r)
+
+
 def gemm_limits(wl: Workload, engine: LLMEngine, passes: list[tuple[int, int]]) -> dict:
     """The model's GEMMs alone (see limits.py), in the paged run's own passes; and the
     floors for any engine on this machine's libraries: the GEMMs of any schedule of the
@@ -270,7 +287,7 @@ def gemm_limits(wl: Workload, engine: LLMEngine, passes: list[tuple[int, int]]) 
     rate_before = matmul_gflops(dtype)
     curve = limits.gemm_curve(model, grid(tokens))
     lm_curve = {r: limits.lm_head_seconds(model, r) for r in sorted(grid(rows))}
-    in_passes = sum(curve[m] for m in tokens) + sum(lm_curve[r] for r in rows)
+    in_passes = passes_gemm_seconds(model, passes, curve, lm_curve)
 
     # The floor: every row count up to 32 (where the times move most), then a sparser
     # grid; past the largest point measured, the best rate's line bounds the cost.
@@ -580,6 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     rates = [gflops]
     runs: dict[str, list[float]] = {name: [] for name in systems}
     hf_static_model = None  # generate() leaves the model as it was: one copy serves every round
+    spec_gemm = spec_gemm_passes = None  # the speculative run's own GEMMs, first round
     # With --repeats, the systems take turns, round after round, and each keeps its
     # fastest run: every system is then compared at the best the machine gave it.
     for round_ in range(args.repeats):
@@ -600,7 +618,15 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = EngineConfig(
                     **{**base.__dict__, "num_speculative_tokens": args.num_speculative_tokens}
                 )
-                result, timeline = run_pagedinfer(name, wl, cfg, params, gflops, warmup=warm)
+                spec_passes: list[tuple[int, int]] = []
+                result, timeline = run_pagedinfer(
+                    name, wl, cfg, params, gflops, warmup=warm, passes=spec_passes
+                )
+                if first and "gemm_limits" in results:
+                    # Its own GEMMs in its own passes, timed right after (the machine drifts).
+                    say("timing the speculative run's GEMMs alone ...")
+                    spec_gemm = passes_gemm_seconds(engine.runner.model, spec_passes)
+                    spec_gemm_passes = len(spec_passes)
             elif name == "contiguous":
                 cfg = EngineConfig(**{**base.__dict__, "allocation_policy": "contiguous"})
                 result, timeline = run_pagedinfer(name, wl, cfg, params, gflops, warmup=warm)
@@ -646,6 +672,15 @@ def main(argv: list[str] | None = None) -> int:
     if "gemm_limits" in results:
         gl = results["gemm_limits"]  # the share of the fastest paged run
         gl["paged_gemm_share"] = round(gl["paged_gemm_seconds"] / results["paged"]["seconds"], 3)
+        if spec_gemm is not None:
+            # The speculative engine's floor in its own schedule: its passes' GEMMs alone.
+            flops = 2 * params * (wl.prompt_tokens + wl.output_tokens)
+            gl["paged_spec_passes"] = spec_gemm_passes
+            gl["paged_spec_gemm_seconds"] = round(spec_gemm, 2)
+            gl["paged_spec_mfu_ceiling"] = round(
+                flops / spec_gemm / (gl["matmul_gflops_now"] * 1e9), 4
+            )
+            gl["paged_spec_gemm_share"] = round(spec_gemm / results["paged_spec"]["seconds"], 3)
     if args.prefix_requests:
         pwl = shared_prefix_workload(args.prefix_requests, vocab, args.seed, args.prefix_len, 16)
         cfg_len = max(args.max_model_len, args.prefix_len + 64)
@@ -689,6 +724,10 @@ def main(argv: list[str] | None = None) -> int:
                     seconds / gl["any_schedule_floor_s"], 2
                 )
                 gl[f"max_speedup_vs_{name}"] = round(seconds / gl["any_engine_floor_s"], 2)
+                if "paged_spec_gemm_seconds" in gl:
+                    gl[f"paged_spec_gemm_only_max_speedup_vs_{name}"] = round(
+                        seconds / gl["paged_spec_gemm_seconds"], 2
+                    )
     ratios = {}
     pairs = [(a, b) for a in ("paged", "paged_spec") for b in ("hf_static", "hf_continuous")]
     pairs += [("paged", "contiguous"), ("paged_spec", "paged")]
