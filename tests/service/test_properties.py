@@ -9,12 +9,16 @@ missed copy or a block reused while in use all show up there.
 
 from __future__ import annotations
 
-from collections import Counter
-
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from kv_invariants import (
+    assert_all_free,
+    assert_cached_blocks_match,
+    assert_context,
+    assert_finished_hold_nothing,
+    assert_pool_consistent,
+)
 
-from pagedinfer.service.block_manager import hash_block
 from pagedinfer.service.config import EngineConfig
 from pagedinfer.service.request import Request, RequestStatus
 from pagedinfer.service.sampling_params import SamplingParams
@@ -121,28 +125,11 @@ class Harness:
     # Invariants -------------------------------------------------------------------
 
     def assert_context(self, request: Request, length: int) -> None:
-        keys = prefix_keys(request)
-        for p in range(length):
-            block = request.block_table[p // self.size]
-            assert self.content[block][p % self.size] == keys[p], (request.request_id, p)
+        assert_context(self.content, self.size, prefix_keys(request), request, length)
 
     def check(self) -> None:
-        pool, blocks = self.kv.pool, self.kv.pool.blocks
-        free, evictable = pool._free, list(pool._evictable)
-        assert len(set(free)) == len(free)
-        assert not set(free) & set(evictable)
-        for block in blocks:
-            is_free = block.block_id in pool._evictable or block.block_id in set(free)
-            assert is_free == (block.ref_count == 0), block
-            if block.block_hash is not None:
-                assert pool.cached[block.block_hash] is block
-        assert all(blocks[b].block_hash is None for b in free)
-        assert all(blocks[b].block_hash is not None for b in evictable)
-        assert len(pool.cached) == sum(b.block_hash is not None for b in blocks)
-
+        assert_pool_consistent(self.scheduler)
         live = list(self.scheduler.requests.values())
-        holders = Counter(b for r in live for b in r.block_table)
-        assert all(block.ref_count == holders[block.block_id] for block in blocks)
         assert len(live) == self.scheduler.num_running + self.scheduler.num_waiting
         for request in self.scheduler.waiting:
             assert request.status is RequestStatus.WAITING
@@ -155,26 +142,11 @@ class Harness:
             else:
                 assert len(request.block_table) == self.kv.reserved_blocks
             self.assert_context(request, request.num_computed_tokens)
-            self.assert_cached_blocks_match(request)
-        for request in self.requests:
-            if request.status.is_finished:
-                assert request.block_table == []
-
-    def assert_cached_blocks_match(self, request: Request) -> None:
-        """A hashed block holds, fully computed, exactly the tokens and salt of its hash."""
-        prev, tokens, size = None, request.all_token_ids, self.size
-        for i, block_id in enumerate(request.block_table):
-            if (i + 1) * size > request.num_computed_tokens:
-                assert self.kv.pool.blocks[block_id].block_hash is None
-                continue
-            prev = hash_block(prev, tokens[i * size : (i + 1) * size], request.cache_salt)
-            assert self.kv.pool.blocks[block_id].block_hash in (None, prev)
+            assert_cached_blocks_match(self.scheduler, request)
+        assert_finished_hold_nothing(self.requests)
 
     def assert_all_free(self) -> None:
-        stats = self.scheduler.stats()
-        assert not self.scheduler.has_unfinished()
-        assert stats.kv.free == stats.kv.total and stats.kv.used == 0
-        assert all(block.ref_count == 0 for block in self.kv.pool.blocks)
+        assert_all_free(self.scheduler)
 
 
 add_op = st.tuples(

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import math
-from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from kv_invariants import (
+    assert_all_free,
+    assert_cached_blocks_match,
+    assert_context,
+    assert_finished_hold_nothing,
+    assert_pool_consistent,
+)
 
-from pagedinfer.service.block_manager import hash_block
 from pagedinfer.service.config import EngineConfig
 from pagedinfer.service.request import Request, RequestStatus
 from pagedinfer.service.sampling_params import SamplingParams
@@ -401,43 +406,18 @@ class Harness:
             self.scheduler._preempt_last()
 
     def assert_context(self, tokens: list[int], request: Request, length: int) -> None:
-        keys = prefix_keys(tokens)
-        for p in range(length):
-            block = request.block_table[p // self.size]
-            assert self.content[block][p % self.size] == keys[p], (request.request_id, p)
+        assert_context(self.content, self.size, prefix_keys(tokens), request, length)
 
     def check(self) -> None:
-        pool, blocks = self.kv.pool, self.kv.pool.blocks
-        free, evictable = pool._free, list(pool._evictable)
-        assert len(set(free)) == len(free)  # no double free
-        assert not set(free) & set(evictable)
-        for block in blocks:
-            is_free = block.block_id in pool._evictable or block.block_id in set(free)
-            assert is_free == (block.ref_count == 0), block
-        live = list(self.scheduler.requests.values())
-        holders = Counter(b for r in live for b in r.block_table)
-        assert all(block.ref_count == holders[block.block_id] for block in blocks)
+        assert_pool_consistent(self.scheduler)
         for request in self.scheduler.running:
             computed, total = request.num_computed_tokens, request.num_tokens
             assert computed < total
             # Blocks for the computed tokens, at most one more for the next token's slot.
             assert -(-computed // self.size) <= len(request.block_table) <= -(-total // self.size)
             self.assert_context(request.all_token_ids, request, computed)
-            self.assert_cached_blocks_match(request)
-        for request in self.requests:
-            if request.status.is_finished:
-                assert request.block_table == []
-
-    def assert_cached_blocks_match(self, request: Request) -> None:
-        """A hashed block holds exactly the real tokens of its hash, all computed."""
-        prev, tokens, size = None, request.all_token_ids, self.size
-        for i, block_id in enumerate(request.block_table):
-            block_hash = self.kv.pool.blocks[block_id].block_hash
-            if (i + 1) * size > request.num_computed_tokens:
-                assert block_hash is None
-                continue
-            prev = hash_block(prev, tokens[i * size : (i + 1) * size], request.cache_salt)
-            assert block_hash in (None, prev)
+            assert_cached_blocks_match(self.scheduler, request)
+        assert_finished_hold_nothing(self.requests)
 
     def drain(self) -> None:
         for _ in range(5000):
@@ -445,11 +425,8 @@ class Harness:
                 break
             self.step()
             self.check()
-        assert not self.scheduler.has_unfinished()
         self.scheduler.schedule()
-        stats = self.scheduler.stats()
-        assert stats.kv.free == stats.kv.total and stats.kv.used == 0
-        assert all(block.ref_count == 0 for block in self.kv.pool.blocks)
+        assert_all_free(self.scheduler)
 
 
 PATTERNS = [[0, 1], [0, 1, 2], [2, 2, 1], [1]]
