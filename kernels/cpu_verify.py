@@ -34,9 +34,10 @@ half `rows_per_run` tokens here, the rest to `cpu_decode`. Measured on SmolLM2's
 32 sequences with 100-400 tokens of context, 30 layers, 2 threads, against a
 `cpu_decode` row per token, alternating in one process (ns per token, context position
 and layer): with 5 new tokens each 51 against 90, 4: 74 against 101, 3: 83 against 103,
-6 (a run and a row): 66 against 93, 1 to 6 mixed: 74 against 99. In the 32-request
-benchmark run with 4-token drafts the attention kernels took 1.16 s against 1.63 s
-(medians of 7 runs each; the run 7.1 s against 7.8 s).
+6 (a run and a row): 66 against 93, 1 to 6 mixed: 74 against 99. Serving the 32-request
+benchmark workload with 4-token drafts a second time in one engine (its prompts from the
+prefix cache, so nearly all of it decode steps), the attention kernels took 1.16 s
+against 1.63 s (medians of 7 runs each; those runs 7.1 s against 7.8 s).
 
 Importing this module imports numba: `torch_ops` imports it only where numba is installed.
 """
