@@ -252,33 +252,23 @@ def critical_path(
     }
 
 
-def passes_gemm_seconds(
-    model,
+def gemm_limits(
+    wl: Workload,
+    engine: LLMEngine,
     passes: list[tuple[int, int]],
-    curve: dict[int, float] | None = None,
-    lm_curve: dict[int, float] | None = None,
-) -> float:
-    """The engine's own GEMMs (layers and LM head) in a run's passes, each (tokens,
-    logits rows), timed at each distinct size as the model computes them. The curves,
-    when given, hold times already measured."""
-    curve, lm_curve = dict(curve or {}), dict(lm_curve or {})
-    for m in {m for m, _ in passes} - curve.keys():
-        curve[m] = limits.layer_gemm_seconds(model, m)
-    for r in {r for _, r in passes if r} - lm_curve.keys():
-        lm_curve[r] = limits.lm_head_seconds(model, r)
-    return sum(curve[m] for m, _ in passes) + sum(lm_curve[r] for _, r in passes if r)
-
-
-def gemm_limits(wl: Workload, engine: LLMEngine, passes: list[tuple[int, int]]) -> dict:
-    """The model's GEMMs alone (see limits.py), in the paged run's own passes; and the
-    floors for any engine on this machine's libraries: the GEMMs of any schedule of the
-    workload, plus its decode attention.
+    spec_passes: list[tuple[int, int]] | None = None,
+) -> dict:
+    """The model's GEMMs alone (see limits.py), in the paged run's own passes (and the
+    speculative run's, when given: each (tokens, logits rows)); and the floors for any
+    engine on this machine's libraries: the GEMMs of any schedule of the workload, plus
+    its decode attention.
 
     Ceilings are against the best matmul rate seen around and in the GEMM timings.
     """
     model = engine.runner.model
-    tokens = [m for m, _ in passes]
-    rows = [r for _, r in passes if r]
+    every_pass = passes + (spec_passes or [])
+    tokens = [m for m, _ in every_pass]
+    rows = [r for _, r in every_pass if r]
 
     def grid(counts: list[int]) -> set[int]:
         return set(counts) | {2**i for i in range(12) if 2**i <= max(counts)}
@@ -287,7 +277,9 @@ def gemm_limits(wl: Workload, engine: LLMEngine, passes: list[tuple[int, int]]) 
     rate_before = matmul_gflops(dtype)
     curve = limits.gemm_curve(model, grid(tokens))
     lm_curve = {r: limits.lm_head_seconds(model, r) for r in sorted(grid(rows))}
-    in_passes = passes_gemm_seconds(model, passes, curve, lm_curve)
+
+    def in_passes(run: list[tuple[int, int]]) -> float:
+        return sum(curve[m] for m, _ in run) + sum(lm_curve[r] for _, r in run if r)
 
     # The floor: every row count up to 32 (where the times move most), then a sparser
     # grid; past the largest point measured, the best rate's line bounds the cost.
@@ -352,13 +344,24 @@ def gemm_limits(wl: Workload, engine: LLMEngine, passes: list[tuple[int, int]]) 
             if m in measured
         }
 
+    paged_gemm = in_passes(passes)
+    # The speculative engine's floor in its own schedule: its passes' GEMMs alone.
+    spec = {}
+    if spec_passes:
+        spec_gemm = in_passes(spec_passes)
+        spec = {
+            "paged_spec_passes": len(spec_passes),
+            "paged_spec_gemm_seconds": round(spec_gemm, 2),
+            "paged_spec_mfu_ceiling": round(flops / spec_gemm / rate, 4),
+        }
     return {
         "matmul_gflops_now": round(rate / 1e9, 1),
         "layer_gemm_share_of_matmul_rate": shares(curve),
         "best_form_layer_gemm_share_of_matmul_rate": shares(best),
         "paged_passes": len(passes),
-        "paged_gemm_seconds": round(in_passes, 2),
-        "paged_mfu_ceiling": round(flops / in_passes / rate, 4),
+        "paged_gemm_seconds": round(paged_gemm, 2),
+        "paged_mfu_ceiling": round(flops / paged_gemm / rate, 4),
+        **spec,
         "min_passes": len(row_profile),
         "any_schedule_floor_s": round(floor, 2),
         "any_schedule_lm_head_floor_s": round(lm_floor, 2),
@@ -597,7 +600,8 @@ def main(argv: list[str] | None = None) -> int:
     rates = [gflops]
     runs: dict[str, list[float]] = {name: [] for name in systems}
     hf_static_model = None  # generate() leaves the model as it was: one copy serves every round
-    spec_gemm = spec_gemm_passes = None  # the speculative run's own GEMMs, first round
+    passes: list[tuple[int, int]] = []  # each forward's (tokens, logits rows), first round
+    spec_passes: list[tuple[int, int]] = []
     # With --repeats, the systems take turns, round after round, and each keeps its
     # fastest run: every system is then compared at the best the machine gave it.
     for round_ in range(args.repeats):
@@ -610,23 +614,29 @@ def main(argv: list[str] | None = None) -> int:
             if name == "paged":
                 # Later rounds get an engine of their own: the first one's prefix cache
                 # holds this very workload's prompts.
-                passes: list[tuple[int, int]] = []
                 result, timeline = run_pagedinfer(
-                    name, wl, base, params, gflops, engine if first else None, warm, passes
+                    name,
+                    wl,
+                    base,
+                    params,
+                    gflops,
+                    engine if first else None,
+                    warm,
+                    passes if first else None,
                 )
             elif name == "paged_spec":
                 cfg = EngineConfig(
                     **{**base.__dict__, "num_speculative_tokens": args.num_speculative_tokens}
                 )
-                spec_passes: list[tuple[int, int]] = []
                 result, timeline = run_pagedinfer(
-                    name, wl, cfg, params, gflops, warmup=warm, passes=spec_passes
+                    name,
+                    wl,
+                    cfg,
+                    params,
+                    gflops,
+                    warmup=warm,
+                    passes=spec_passes if first else None,
                 )
-                if first and "gemm_limits" in results:
-                    # Its own GEMMs in its own passes, timed right after (the machine drifts).
-                    say("timing the speculative run's GEMMs alone ...")
-                    spec_gemm = passes_gemm_seconds(engine.runner.model, spec_passes)
-                    spec_gemm_passes = len(spec_passes)
             elif name == "contiguous":
                 cfg = EngineConfig(**{**base.__dict__, "allocation_policy": "contiguous"})
                 result, timeline = run_pagedinfer(name, wl, cfg, params, gflops, warmup=warm)
@@ -655,32 +665,28 @@ def main(argv: list[str] | None = None) -> int:
                 results[name] = result
                 if timeline is not None:
                     timelines[name] = timeline
-            if name == "paged" and first:
-                if not args.no_critical_path:
-                    # Right after: the machine's speed drifts, and the floor is compared with it.
-                    say("running critical_path ...")
-                    results["critical_path"] = critical_path(wl, base, params, gflops, engine)
-                    say(json.dumps(results["critical_path"]))
-                if not args.no_gemm_limits:
-                    say("timing the model's GEMMs alone ...")
-                    results["gemm_limits"] = gemm_limits(wl, engine, passes)
-                    rates.append(results["gemm_limits"]["matmul_gflops_now"])
-                    say(json.dumps(results["gemm_limits"]))
+            if name == "paged" and first and not args.no_critical_path:
+                # Right after: the machine's speed drifts, and the floor is compared with it.
+                say("running critical_path ...")
+                results["critical_path"] = critical_path(wl, base, params, gflops, engine)
+                say(json.dumps(results["critical_path"]))
+        if first and passes and not args.no_gemm_limits:
+            # After the first round, so that the paged and speculative runs' passes are
+            # timed in one window of the machine's speed.
+            say("timing the model's GEMMs alone ...")
+            results["gemm_limits"] = gemm_limits(wl, engine, passes, spec_passes)
+            rates.append(results["gemm_limits"]["matmul_gflops_now"])
+            say(json.dumps(results["gemm_limits"]))
     hf_static_model = None
     for name in systems:
         results[name]["runs_seconds"] = runs[name]
     if "gemm_limits" in results:
         gl = results["gemm_limits"]  # the share of the fastest paged run
         gl["paged_gemm_share"] = round(gl["paged_gemm_seconds"] / results["paged"]["seconds"], 3)
-        if spec_gemm is not None:
-            # The speculative engine's floor in its own schedule: its passes' GEMMs alone.
-            flops = 2 * params * (wl.prompt_tokens + wl.output_tokens)
-            gl["paged_spec_passes"] = spec_gemm_passes
-            gl["paged_spec_gemm_seconds"] = round(spec_gemm, 2)
-            gl["paged_spec_mfu_ceiling"] = round(
-                flops / spec_gemm / (gl["matmul_gflops_now"] * 1e9), 4
+        if "paged_spec_gemm_seconds" in gl:
+            gl["paged_spec_gemm_share"] = round(
+                gl["paged_spec_gemm_seconds"] / results["paged_spec"]["seconds"], 3
             )
-            gl["paged_spec_gemm_share"] = round(spec_gemm / results["paged_spec"]["seconds"], 3)
     if args.prefix_requests:
         pwl = shared_prefix_workload(args.prefix_requests, vocab, args.seed, args.prefix_len, 16)
         cfg_len = max(args.max_model_len, args.prefix_len + 64)
