@@ -53,6 +53,7 @@ import torch
 from pagedinfer.kernels.cpu_numba import (
     FASTMATH,
     Job,
+    attention_job,
     exp_into,
     fp32_cpu,
     jit,
@@ -133,19 +134,8 @@ def decode_job(
     out: torch.Tensor,
 ) -> Job:
     """`decode_attention`'s kernel call, for `cpu_numba.run_jobs` alongside others."""
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    kernel = _kernel(block_size, query.shape[1], num_kv_heads, head_dim)
-    args = (
-        query.numpy(),
-        k_cache.numpy(),
-        v_cache.numpy(),
-        rows,
-        block_tables,
-        seq_lens,
-        np.float32(scale),
-        out.numpy(),
-    )
-    return Job(kernel, args, rows.shape[0])
+    tasks = (rows, block_tables, seq_lens)
+    return attention_job(_kernel, query, k_cache, v_cache, tasks, scale, out)
 
 
 @functools.cache

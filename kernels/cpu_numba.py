@@ -134,6 +134,24 @@ class Job:
     num_tasks: int
 
 
+def attention_job(
+    kernel_for: Callable[[int, int, int, int], Callable[..., None]],
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tasks: tuple[np.ndarray, ...],
+    scale: float,
+    out: torch.Tensor,
+) -> Job:
+    """A paged attention kernel's call: the kernel for the cache's shape (`kernel_for`:
+    block size, query heads, KV heads, head dim), called as kernel(query, k_cache,
+    v_cache, *tasks, scale, out) on numpy views, one task per row of tasks[0]."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    kernel = kernel_for(block_size, query.shape[1], num_kv_heads, head_dim)
+    args = (query.numpy(), k_cache.numpy(), v_cache.numpy(), *tasks, np.float32(scale), out.numpy())
+    return Job(kernel, args, tasks[0].shape[0])
+
+
 def run_jobs(jobs: Sequence[Job]) -> None:
     """Run the jobs' tasks on the caller and pool threads: a worker per torch thread (at
     most one per task of the largest job), each doing its share of every job in turn, so
