@@ -320,6 +320,81 @@ def row_profile(output_lens: Sequence[int]) -> list[int]:
     return [sum(1 for o in output_lens if o >= j) for j in range(1, max(output_lens) + 1)]
 
 
+def best_copy_draft(text: Sequence[int], known: int, max_tokens: int) -> int:
+    """How many of text[known:] the best draft copied from the text's own tokens gets
+    kept: the longest a <= max_tokens with text[j:j + a] == text[known:known + a] for some
+    j < known that follows an earlier occurrence of the last known token
+    (text[j - 1] == text[known - 1]).
+
+    text: a request's prompt and its whole output; known: how many of them the model has
+    seen. A copy may run past `known` into its own tokens, as a repeating text does
+    (j + a > known): those are the draft's own earlier guesses, which hold wherever the
+    draft is kept. A prompt-lookup, n-gram or suffix-tree draft, and each branch of a
+    tree of them, is such a copy: the tokens after an earlier occurrence of the text's
+    last n >= 1 tokens. None is kept longer than the best of them all.
+    """
+    if not 0 < known <= len(text) or max_tokens < 0:
+        raise ValueError(f"need 0 < known <= {len(text)} and max_tokens >= 0")
+    limit = min(max_tokens, len(text) - known)
+    last = text[known - 1]
+    best = 0
+    for j in range(1, known):
+        if text[j - 1] != last:
+            continue
+        a = 0
+        while a < limit and text[j + a] == text[known + a]:
+            a += 1
+        best = max(best, a)
+        if best == limit:
+            break
+    return best
+
+
+def copy_draft_passes(prompt: Sequence[int], output: Sequence[int], max_draft: int) -> list[int]:
+    """The tokens of each decode pass of one request, in the fewest passes that any
+    drafter copying the request's own text (`best_copy_draft`) can need with drafts of up
+    to max_draft tokens, each pass as full as such a schedule allows. They sum to
+    len(output) - 1: the first output token comes from the prompt's pass.
+
+    A pass that knows `done` output tokens can end with any count up to done + 1 + the
+    best copy's length (a shorter draft is a prefix of it); the fewest passes to the end
+    follow by dynamic programming from the last token back.
+    """
+    _check_lengths([len(prompt)], [len(output)])
+    text = [*prompt, *output]
+    end = len(output)
+    reach = [0] * end
+    for done in range(1, end):
+        room = end - done - 1  # no draft runs past the last output token
+        reach[done] = done + 1 + best_copy_draft(text, len(prompt) + done, min(max_draft, room))
+    fewest = [0] * (end + 1)
+    for done in range(end - 1, 0, -1):
+        fewest[done] = 1 + min(fewest[done + 1 : reach[done] + 1])
+    passes, done = [], 1
+    while done < end:
+        # The furthest next count that still finishes in the fewest passes.
+        step = max(n for n in range(done + 1, reach[done] + 1) if fewest[n] == fewest[done] - 1)
+        passes.append(step - done)
+        done = step
+    return passes
+
+
+def copy_draft_schedule(
+    prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], max_draft: int
+) -> list[tuple[int, int]]:
+    """Passes (tokens, LM-head rows) of a whole workload under `copy_draft_passes`: every
+    prompt in one first pass (one row each, for its first output token), then every
+    request's decode passes side by side from the second pass on. Every token of a decode
+    pass needs its logits (each verifies the draft token after it)."""
+    _check_lengths([len(p) for p in prompts], [len(o) for o in outputs])
+    per_request = [
+        copy_draft_passes(p, o, max_draft) for p, o in zip(prompts, outputs, strict=True)
+    ]
+    longest = max(len(p) for p in per_request)
+    decode = [sum(p[j] for p in per_request if j < len(p)) for j in range(longest)]
+    return [(sum(len(p) for p in prompts), len(prompts)), *((m, m) for m in decode)]
+
+
 def _check_lengths(prompt_lens: Sequence[int], output_lens: Sequence[int]) -> None:
     if not output_lens or len(prompt_lens) != len(output_lens):
         raise ValueError(

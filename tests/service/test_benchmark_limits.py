@@ -143,6 +143,94 @@ def test_bad_arguments_are_refused() -> None:
         limits.schedule_floor(limits.staircase({1: 1.0}, 0.1, 3), [5, 1])
 
 
+def copied_draft(text: list[int], known: int, start: int, length: int) -> list[int]:
+    """The draft a copying drafter builds from text[:known]: the tokens from `start` on,
+    continuing into its own earlier guesses past the end of what it knows."""
+    draft: list[int] = []
+    for a in range(length):
+        source = start + a
+        draft.append(text[source] if source < known else draft[source - known])
+    return draft
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_best_copy_draft_is_the_best_copy_a_drafter_can_build(seed) -> None:
+    rng = random.Random(seed)
+    text = [rng.randrange(3) for _ in range(rng.randrange(2, 16))]
+    for known in range(1, len(text) + 1):
+        for max_tokens in (0, 1, 3, 8):
+            expected = 0
+            for start in range(1, known):
+                if text[start - 1] != text[known - 1]:  # not after the last token
+                    continue
+                draft = copied_draft(text, known, start, max_tokens)
+                kept = 0
+                while kept < len(draft) and known + kept < len(text):
+                    if draft[kept] != text[known + kept]:
+                        break
+                    kept += 1
+                expected = max(expected, kept)
+            assert limits.best_copy_draft(text, known, max_tokens) == expected
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("max_draft", [1, 2, 5])
+def test_copy_draft_passes_are_the_fewest(seed, max_draft) -> None:
+    rng = random.Random(seed)
+    prompt = [rng.randrange(4) for _ in range(rng.randrange(1, 6))]
+    output = [rng.randrange(4) for _ in range(rng.randrange(1, 14))]
+    passes = limits.copy_draft_passes(prompt, output, max_draft)
+    assert sum(passes) == len(output) - 1
+    assert all(1 <= p <= max_draft + 1 for p in passes)
+    # Breadth first over every count of kept tokens a pass can end with.
+    text, end = prompt + output, len(output)
+    frontier, steps = {1}, 0
+    while end not in frontier:
+        frontier = {
+            nxt
+            for done in frontier
+            for nxt in range(
+                done + 1,
+                done
+                + 2
+                + limits.best_copy_draft(text, len(prompt) + done, min(max_draft, end - done - 1)),
+            )
+        }
+        steps += 1
+    assert len(passes) == steps
+    # Each pass's end is reachable from the previous one.
+    done = 1
+    for p in passes:
+        room = end - done - 1
+        assert p <= 1 + limits.best_copy_draft(text, len(prompt) + done, min(max_draft, room))
+        done += p
+
+
+def test_copied_drafts_need_a_pass_per_token_of_new_text_and_few_for_a_loop() -> None:
+    prompt = [100, 101, 102]
+    novel = list(range(10))  # nothing repeats: no copy is ever kept
+    assert limits.copy_draft_passes(prompt, novel, 4) == [1] * 9
+    loop = [7, 8, 9] * 8  # after one period every draft holds, up to its length
+    assert limits.copy_draft_passes(prompt, loop, 4) == [1, 1, 1, 5, 5, 5, 5]
+    schedule = limits.copy_draft_schedule([prompt, [5, 6]], [novel, loop], 4)
+    assert schedule[0] == (5, 2)  # every prompt in the first pass, a row per request
+    decode = [m for m, _ in schedule[1:]]
+    assert all(m == r for m, r in schedule[1:])
+    assert sum(decode) == (len(novel) - 1) + (len(loop) - 1)
+    assert len(decode) == 9  # the novel request sets the count
+
+
+def test_copy_draft_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="known"):
+        limits.best_copy_draft([1, 2], 0, 3)
+    with pytest.raises(ValueError, match="known"):
+        limits.best_copy_draft([1, 2], 1, -1)
+    with pytest.raises(ValueError, match="one output token"):
+        limits.copy_draft_passes([1], [], 2)
+    with pytest.raises(ValueError, match="one prompt length per output length"):
+        limits.copy_draft_schedule([[1]], [[2], [3]], 2)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 17])
 def test_every_gemm_form_computes_the_product(rows: int) -> None:
     weight = torch.randn(24, 40)
