@@ -35,7 +35,7 @@ from pathlib import Path
 
 import limits
 import torch
-from throughput import _load_hf, matmul_gflops, mixed_workload
+from throughput import _load_hf, add_workload_args, matmul_gflops, workload_from_args
 
 from pagedinfer.service.config import EngineConfig
 from pagedinfer.service.engine import LLMEngine
@@ -85,11 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--num-requests", type=int, default=32)
-    ap.add_argument("--prompt-mean", type=int, default=96)
-    ap.add_argument("--output-mean", type=int, default=64)
-    ap.add_argument("--max-model-len", type=int, default=512)
-    ap.add_argument("--seed", type=int, default=0)
+    add_workload_args(ap)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--draft-tokens", default="4,8,16", help="draft lengths K to bound")
     ap.add_argument(
@@ -122,14 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr if args.json else sys.stdout, flush=True)
 
     engine = LLMEngine(EngineConfig(max_model_len=args.max_model_len))
-    wl = mixed_workload(
-        args.num_requests,
-        engine.vocab_size,
-        args.seed,
-        args.prompt_mean,
-        args.output_mean,
-        args.max_model_len,
-    )
+    wl = workload_from_args(args, engine.vocab_size)
     say(f"{len(wl.prompts)} requests, {wl.prompt_tokens} prompt + {wl.output_tokens} output tokens")
     start = time.perf_counter()
     outputs = greedy_outputs(engine, wl.prompts, wl.output_lens)

@@ -68,6 +68,21 @@ def mixed_workload(
     return Workload(prompts, outs)
 
 
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The mixed workload's options (`workload_from_args`), shared by the drivers."""
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--prompt-mean", type=int, default=96)
+    ap.add_argument("--output-mean", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+
+
+def workload_from_args(args: argparse.Namespace, vocab: int) -> Workload:
+    return mixed_workload(
+        args.num_requests, vocab, args.seed, args.prompt_mean, args.output_mean, args.max_model_len
+    )
+
+
 def shared_prefix_workload(
     n: int, vocab: int, seed: int, prefix_len: int, out_len: int
 ) -> Workload:
@@ -498,10 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--num-requests", type=int, default=32)
-    ap.add_argument("--prompt-mean", type=int, default=96)
-    ap.add_argument("--output-mean", type=int, default=64)
-    ap.add_argument("--max-model-len", type=int, default=512)
+    add_workload_args(ap)
     # 256 MiB holds about 5,800 tokens of SmolLM2's KV: the whole default workload at
     # once with paging, about 10 sequences with contiguous max_model_len reservations.
     ap.add_argument("--kv-cache-memory", type=int, default=256 * 2**20, help="bytes, both policies")
@@ -518,7 +530,6 @@ def main(argv: list[str] | None = None) -> int:
         "--prefix-requests", type=int, default=16, help="0 skips the shared-prefix workload"
     )
     ap.add_argument("--prefix-len", type=int, default=1000)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument(
         "--dtype",
@@ -569,9 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(base)
     vocab = engine.vocab_size
     params = sum(p.numel() for p in engine.runner.model.parameters())
-    wl = mixed_workload(
-        args.num_requests, vocab, args.seed, args.prompt_mean, args.output_mean, args.max_model_len
-    )
+    wl = workload_from_args(args, vocab)
     dtype = getattr(torch, args.dtype)
     # Every system first serves a few other requests, as a running server would have:
     # the first calls of a process pay one-off costs (allocations, kernel selection).
