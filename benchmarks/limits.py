@@ -21,6 +21,10 @@ way: no norms, sampling, scheduling or engine Python around them.
   workload's decode tokens attend to under any schedule. Their product is a floor on
   the decode attention of any engine; added to the GEMM floor it bounds the whole run
   (module doc, end).
+- `best_copy_draft`, `copy_draft_passes` and `copy_draft_schedule`: for speculative
+  decoding, whose passes carry several tokens of a sequence, the fewest passes any
+  drafter that copies each request's own text can need, given the outputs the model
+  gives (`draft_limits.py` times their GEMMs).
 
 Why the floor holds. Request r has p_r prompt tokens and o_r output tokens. Its prompt
 goes through the layers in chunks; its first output token comes from the last chunk's
