@@ -111,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
             baseline = json.loads(args.baseline.read_text())
         except (OSError, ValueError) as e:
             ap.error(f"--baseline: cannot read {args.baseline}: {e}")
-        if baseline.get("machine", {}).get("dtype", "float32") != "float32":
+        machine = baseline.get("machine") if isinstance(baseline, dict) else None
+        if not isinstance(machine, dict) or "matmul_gflops_best" not in machine:
+            ap.error(f"--baseline: {args.baseline} is not a throughput.py JSON summary")
+        if machine.get("dtype", "float32") != "float32":
             ap.error("--baseline must be a float32 run (this driver measures float32)")
 
     def say(msg: str) -> None:
@@ -119,6 +122,18 @@ def main(argv: list[str] | None = None) -> int:
 
     engine = LLMEngine(EngineConfig(max_model_len=args.max_model_len))
     wl = workload_from_args(args, engine.vocab_size)
+    shape = (len(wl.prompts), wl.prompt_tokens, wl.output_tokens)
+    for name in ("hf_static", "hf_continuous"):
+        run = (baseline or {}).get(name)
+        if (
+            run is not None
+            and (run["requests"], run["prompt_tokens"], run["output_tokens"]) != shape
+        ):
+            ap.error(
+                f"--baseline: its {name} run served {run['requests']} requests, "
+                f"{run['prompt_tokens']} prompt + {run['output_tokens']} output tokens; this "
+                f"workload has {shape[0]}, {shape[1]} + {shape[2]} (pass the same workload options)"
+            )
     say(f"{len(wl.prompts)} requests, {wl.prompt_tokens} prompt + {wl.output_tokens} output tokens")
     start = time.perf_counter()
     outputs = greedy_outputs(engine, wl.prompts, wl.output_lens)
