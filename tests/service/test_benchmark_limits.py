@@ -394,3 +394,23 @@ def test_fastest_forms_are_timed_inside_whole_passes(
     ] + ["lm"]
     # Form a warms up and is timed once, then form b the same.
     assert calls == [(label, n) for label in "ab" for _ in range(2) for n in one_pass]
+
+
+def test_draft_limits_refuses_bad_options(capsys, tmp_path, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(_path.parent))
+    draft_limits = importlib.import_module("draft_limits")
+    not_a_summary = tmp_path / "other.json"
+    not_a_summary.write_text('{"results": []}')
+    bf16 = tmp_path / "bf16.json"
+    bf16.write_text('{"machine": {"dtype": "bfloat16", "matmul_gflops_best": 900.0}}')
+    for argv, message in (
+        (["--draft-tokens", "0"], "--draft-tokens must be at least 1, got 0"),
+        (["--draft-tokens", "4,x"], "comma-separated integers, got '4,x'"),
+        (["--baseline", str(tmp_path / "missing.json")], "cannot read"),
+        (["--baseline", str(not_a_summary)], "is not a throughput.py JSON summary"),
+        (["--baseline", str(bf16)], "must be a float32 run"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            draft_limits.main(argv)
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
