@@ -7,7 +7,7 @@ verifies several tokens of a sequence. This driver measures what the best drafts
 do, on the workload's own outputs (greedy, fixed lengths: what every engine must emit):
 
 - Drafts copied from the request's own text (prompt lookup, n-gram tables, suffix trees,
-  trees of such candidates): `limits.copy_draft_schedule` gives each request the fewest
+  trees of such candidates): `limits.copy_draft_passes` gives each request the fewest
   passes any such drafter can need with drafts of up to K tokens, always choosing the
   copy that the model then keeps longest, and never drafting a token it rejects. Every
   prompt goes in one first pass. The GEMMs of those passes, at the least each pass size
@@ -141,7 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     params = sum(p.numel() for p in engine.runner.model.parameters())
     del engine
 
-    schedules = {k: limits.copy_draft_schedule(wl.prompts, outputs, k) for k in draft_tokens}
+    prompt_lens = [len(p) for p in wl.prompts]
+    passes = {
+        k: [limits.copy_draft_passes(p, o, k) for p, o in zip(wl.prompts, outputs, strict=True)]
+        for k in draft_tokens
+    }
+    schedules = {k: limits.copy_draft_schedule(prompt_lens, passes[k]) for k in draft_tokens}
     tokens = {m for s in schedules.values() for m, _ in s}
     grid = {*range(1, 33), 40, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 2048}
     say("timing the GEMMs in their fastest forms ...")
@@ -172,9 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     copied = {}
     for k, schedule in schedules.items():
         floor = sum(layer_costs[m] + lm_costs[r] for m, r in schedule)
-        per_request = [
-            len(limits.copy_draft_passes(p, o, k)) for p, o in zip(wl.prompts, outputs, strict=True)
-        ]
+        per_request = [len(p) for p in passes[k]]
         copied[str(k)] = {
             "passes": len(schedule),
             "longest_request_decode_passes": max(per_request),

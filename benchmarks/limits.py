@@ -384,19 +384,21 @@ def copy_draft_passes(prompt: Sequence[int], output: Sequence[int], max_draft: i
 
 
 def copy_draft_schedule(
-    prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], max_draft: int
+    prompt_lens: Sequence[int], decode_passes: Sequence[Sequence[int]]
 ) -> list[tuple[int, int]]:
-    """Passes (tokens, LM-head rows) of a whole workload under `copy_draft_passes`: every
-    prompt in one first pass (one row each, for its first output token), then every
-    request's decode passes side by side from the second pass on. Every token of a decode
-    pass needs its logits (each verifies the draft token after it)."""
-    _check_lengths([len(p) for p in prompts], [len(o) for o in outputs])
-    per_request = [
-        copy_draft_passes(p, o, max_draft) for p, o in zip(prompts, outputs, strict=True)
-    ]
-    longest = max(len(p) for p in per_request)
-    decode = [sum(p[j] for p in per_request if j < len(p)) for j in range(longest)]
-    return [(sum(len(p) for p in prompts), len(prompts)), *((m, m) for m in decode)]
+    """Passes (tokens, LM-head rows) of a whole workload, given each request's decode
+    passes (`copy_draft_passes`): every prompt in one first pass (one row each, for its
+    first output token), then the requests' decode passes side by side from the second
+    pass on. Every token of a decode pass needs its logits (each verifies the draft token
+    after it)."""
+    if not decode_passes or len(prompt_lens) != len(decode_passes):
+        raise ValueError(
+            f"need one prompt length per request's passes, and at least one request "
+            f"(got {len(prompt_lens)} and {len(decode_passes)})"
+        )
+    longest = max(len(p) for p in decode_passes)
+    decode = [sum(p[j] for p in decode_passes if j < len(p)) for j in range(longest)]
+    return [(sum(prompt_lens), len(prompt_lens)), *((m, m) for m in decode)]
 
 
 def _check_lengths(prompt_lens: Sequence[int], output_lens: Sequence[int]) -> None:

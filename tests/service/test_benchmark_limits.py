@@ -212,7 +212,9 @@ def test_copied_drafts_need_a_pass_per_token_of_new_text_and_few_for_a_loop() ->
     assert limits.copy_draft_passes(prompt, novel, 4) == [1] * 9
     loop = [7, 8, 9] * 8  # after one period every draft holds, up to its length
     assert limits.copy_draft_passes(prompt, loop, 4) == [1, 1, 1, 5, 5, 5, 5]
-    schedule = limits.copy_draft_schedule([prompt, [5, 6]], [novel, loop], 4)
+    schedule = limits.copy_draft_schedule(
+        [3, 2], [limits.copy_draft_passes(p, o, 4) for p, o in ((prompt, novel), ([5, 6], loop))]
+    )
     assert schedule[0] == (5, 2)  # every prompt in the first pass, a row per request
     decode = [m for m, _ in schedule[1:]]
     assert all(m == r for m, r in schedule[1:])
@@ -227,8 +229,8 @@ def test_copy_draft_arguments_are_checked() -> None:
         limits.best_copy_draft([1, 2], 1, -1)
     with pytest.raises(ValueError, match="one output token"):
         limits.copy_draft_passes([1], [], 2)
-    with pytest.raises(ValueError, match="one prompt length per output length"):
-        limits.copy_draft_schedule([[1]], [[2], [3]], 2)
+    with pytest.raises(ValueError, match="one prompt length per request's passes"):
+        limits.copy_draft_schedule([1], [[2], [3]])
 
 
 @pytest.mark.parametrize("rows", [1, 3, 17])
