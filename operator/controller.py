@@ -83,6 +83,10 @@ def _memory(policy: AutoscalingSpec) -> float:
     )
 
 
+# How often an autoscaler between periods checks whether it should stop.
+STOP_CHECK_S = 0.2
+
+
 @dataclass
 class Controller:
     kube: Kube
@@ -232,7 +236,24 @@ class Controller:
                 logger.warning(f"autoscaler: Kubernetes API {exc.status} {exc.reason}; retrying")
             except Exception:
                 logger.exception("autoscaler: unexpected error; retrying next period")
-            await stopped.wait(policy.sync_period_s)
+            await self._until_next_period(stopped, policy.sync_period_s)
+
+    async def _until_next_period(self, stopped: Any, seconds: float) -> None:
+        """Sleep `seconds`, or less once kopf stops the daemon or the operator closes.
+
+        Not kopf's `stopped.wait(seconds)`: that waits in a task of its own, and when the
+        operator exits, kopf re-raises the exception of every task that ends in its last
+        few seconds. The waiter of a daemon that kopf starts after it has stopped the
+        others (this loop then ends through `closed`) can time out there, and the
+        operator then exits with TimeoutError.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while not stopped and not self.closed:
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            await asyncio.sleep(min(left, STOP_CHECK_S))
 
     async def autoscale_once(
         self,
