@@ -23,8 +23,10 @@ under NUMBA_CACHE_DIR) after editing this module.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import os
+import platform
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,12 +38,15 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba.core import cgutils, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic as numba_intrinsic
 from numba.np.arrayobj import make_array, populate_array
 
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 # Reassociation lets LLVM vectorise dot products and sums. No "no-inf" or "no-NaN" flags:
 # running maxima start at -inf, and NaN in the input must come out as NaN.
-FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+# A dict, not a set: its order (and so the kernels' disk-cache keys) is the same in every
+# process (`_stable_identity`).
+FASTMATH = {"reassoc": True, "contract": True, "nsz": True, "arcp": True}
 _LOG2E = np.float32(1.0 / math.log(2.0))
 # ln 2 in two parts (Cody and Waite): k * _LN2_HI is exact for the k here, so r keeps
 # its precision at large |x|, where one fp32 ln 2 would cost 4e-6 of relative error.
@@ -62,11 +67,46 @@ def jit(**options: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 
     def compile_lazily(function: Callable[..., Any]) -> Callable[..., Any]:
         try:
-            return numba.njit(cache=True, **options)(function)
+            dispatcher = numba.njit(cache=True, **options)(function)
         except RuntimeError:  # numba found no writable cache directory (read-only root fs)
             return numba.njit(**options)(function)
+        identity = _stable_identity(function)
+        if identity is not None:
+            dispatcher._set_uuid(identity)
+        return dispatcher
 
     return compile_lazily
+
+
+def intrinsic(definition: Callable[..., Any]) -> Any:
+    """numba.extending.intrinsic, with the same id in every process (`_stable_identity`:
+    a kernel's disk-cache key pickles the intrinsics it calls)."""
+    result = numba_intrinsic(definition)
+    key = f"{definition.__module__}.{definition.__qualname__}"
+    result._set_uuid("pagedinfer-" + hashlib.sha256(key.encode()).hexdigest())
+    return result
+
+
+def _stable_identity(function: Callable[..., Any]) -> str | None:
+    """The same id in every process for a kernel made by a factory, or None.
+
+    numba keys a closure's disk cache on its pickled closure values, and a dispatcher
+    pickles with an id drawn at random per process: a kernel that calls a helper made by
+    the same factory missed the cache in every process and compiled again (the verify
+    kernel: 3 s at the first step of each process). From the function's name and its
+    closure's plain values (and the helpers' ids, themselves stable), the pickle is
+    the same in every process and the cache hits.
+    """
+    parts = [function.__module__, function.__qualname__]
+    for cell in function.__closure__ or ():
+        value = cell.cell_contents
+        if isinstance(value, numba.core.registry.CPUDispatcher):
+            parts.append(str(value._uuid))
+        elif isinstance(value, (bool, int, float, str, tuple, type(None))):
+            parts.append(repr(value))
+        else:
+            return None
+    return "pagedinfer-" + hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 
 @jit(fastmath=FASTMATH, inline="always")
@@ -275,7 +315,7 @@ def _lane_op(args: tuple[Any, ...], combine: Callable[..., Any]) -> Any:
 # lane ops get the same bits (`cpu_verify` and `cpu_decode` rely on it). numba gives the
 # kernel's fast-math flags to every float instruction that has none, so these carry
 # "afn" (approximate library functions), which changes nothing for +, * and /.
-_EXACT = ("afn",)
+EXACT = ("afn",)
 
 
 def _fma(builder: Any, x: Any, a: Any, y: Any) -> Any:
@@ -308,19 +348,19 @@ def lanes_fma_where(typingctx: Any, y: Any, x: Any, a: Any, width: Any) -> Any:
 @intrinsic
 def lanes_add(typingctx: Any, y: Any, x: Any, width: Any) -> Any:
     """y[:width] = y[:width] + x (x: lanes or a scalar)."""
-    return _lane_op((y, x, width), lambda b, y, x: b.fadd(y, x, flags=_EXACT))
+    return _lane_op((y, x, width), lambda b, y, x: b.fadd(y, x, flags=EXACT))
 
 
 @intrinsic
 def lanes_mul(typingctx: Any, y: Any, x: Any, s: Any, width: Any) -> Any:
     """y[:width] = x[:width] * s (s: lanes or a scalar)."""
-    return _lane_op((y, x, s, width), lambda b, y, x, s: b.fmul(x, s, flags=_EXACT))
+    return _lane_op((y, x, s, width), lambda b, y, x, s: b.fmul(x, s, flags=EXACT))
 
 
 @intrinsic
 def lanes_div(typingctx: Any, y: Any, x: Any, s: Any, width: Any) -> Any:
     """y[:width] = x[:width] / s (s: lanes or a scalar)."""
-    return _lane_op((y, x, s, width), lambda b, y, x, s: b.fdiv(x, s, flags=_EXACT))
+    return _lane_op((y, x, s, width), lambda b, y, x, s: b.fdiv(x, s, flags=EXACT))
 
 
 @intrinsic
@@ -360,9 +400,73 @@ def lanes_sum(typingctx: Any, x: Any, width: Any) -> Any:
             values = builder.fadd(
                 builder.shuffle_vector(values, values, low),
                 builder.shuffle_vector(values, values, high),
-                flags=_EXACT,
+                flags=EXACT,
             )
             half //= 2
         return builder.extract_element(values, i32(0))
 
     return types.float32(x, width), codegen
+
+
+def _int64_element(context: Any, builder: Any, array_type: Any, array: Any, index: Any) -> Any:
+    data = context.make_array(array_type)(context, builder, array).data
+    return builder.gep(data, [index])
+
+
+def _is_int64_vector(t: Any) -> bool:
+    return isinstance(t, types.Array) and t.dtype == types.int64 and t.layout == "C"
+
+
+@intrinsic
+def atomic_add(typingctx: Any, array: Any, index: Any, value: Any) -> Any:
+    """array.flat[index] += value as one atomic operation (sequentially consistent: what
+    this thread wrote before is visible to a thread that sees the new count)."""
+    if not (_is_int64_vector(array) and isinstance(index, types.Integer)):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        pointer = _int64_element(context, builder, signature.args[0], args[0], args[1])
+        amount = context.cast(builder, args[2], signature.args[2], types.int64)
+        builder.atomic_rmw("add", pointer, amount, "seq_cst")
+        return context.get_dummy_value()
+
+    return types.void(array, index, value), codegen
+
+
+@intrinsic
+def atomic_load(typingctx: Any, array: Any, index: Any) -> Any:
+    """array.flat[index], read as one atomic operation (sequentially consistent)."""
+    if not (_is_int64_vector(array) and isinstance(index, types.Integer)):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        pointer = _int64_element(context, builder, signature.args[0], args[0], args[1])
+        return builder.load_atomic(pointer, "seq_cst", 8)
+
+    return types.int64(array, index), codegen
+
+
+@intrinsic
+def spin_pause(typingctx: Any) -> Any:
+    """The CPU's spin-wait hint (x86 `pause`): a waiting loop yields the core's pipeline."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        if _X86:
+            fnty = ir.FunctionType(ir.VoidType(), [])
+            pause = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.sse2.pause")
+            builder.call(pause, [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@numba.njit(inline="always", nogil=True)
+def barrier(sync: np.ndarray, workers: int, passed: int) -> int:
+    """Wait until all `workers` have reached their barrier number passed + 1 (sync[0]: the
+    arrivals so far, 0 before the first); returns passed + 1, the caller's new count.
+    Workers spin: meant for phases of microseconds, with every worker on a core."""
+    atomic_add(sync, 0, 1)
+    target = workers * (passed + 1)
+    while atomic_load(sync, 0) < target:
+        spin_pause()
+    return passed + 1

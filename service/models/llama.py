@@ -496,6 +496,9 @@ class LlamaModel(nn.Module):
         )
         self.lm_head_packed: torch.Tensor | None = None  # set by pack_weights
         self.lm_head_mkl: MKLPacked | None = None  # set by pack_weights_mkl
+        # Set by pack_weights_mkl where every GEMM weight lies on a quantisation grid that
+        # reproduces MKL's results: steps of a few tokens then run as one compiled call.
+        self.fused: Any = None  # kernels.cpu_step.FusedWeights
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -515,13 +518,57 @@ class LlamaModel(nn.Module):
 
     def pack_weights_mkl(self) -> None:
         """Pack every fp32 GEMM weight for MKL (see `cpu_mkl_packing_available`); as with
-        `pack_weights`, a tied LM head gets a packed copy of its own."""
+        `pack_weights`, a tied LM head gets a packed copy of its own. Where the compiled
+        kernels are in use and the weights lie on a quantisation grid (a dequantised GGUF
+        model), also keep them as that grid for the fused step (`kernels.cpu_step`)."""
+        grids = self._grids() if torch_ops.compiled_kernels() else None
         for layer in self.layers:
             for linear in layer.linears():
                 linear.pack_mkl()
         self.lm_head_mkl = MKLPacked.of(self.lm_head_weight())
         if self.lm_head is not None:
             self.lm_head.weight = nn.Parameter(self.lm_head.weight.to("meta"), requires_grad=False)
+        if grids is not None:
+            self.fused = self._fused_weights(*grids)
+
+    def _grids(self) -> tuple[list[list[Any]], Any] | None:
+        """Every GEMM weight's grid (`kernels.cpu_gemm.to_grid`), or None where one has
+        none or a GEMM has a bias (the fused step adds none)."""
+        from pagedinfer.kernels import cpu_gemm  # imports numba
+
+        config = self.config
+        if config.attention_bias or config.o_proj_bias or config.mlp_bias:
+            return None
+        layers = []
+        for layer in self.layers:
+            grids = [cpu_gemm.to_grid(linear.weight.t()) for linear in layer.linears()]
+            if any(g is None for g in grids):
+                return None
+            layers.append(grids)
+        lm_head = cpu_gemm.to_grid(self.lm_head_weight())
+        return None if lm_head is None else (layers, lm_head)
+
+    def _fused_weights(self, layers: list[list[Any]], lm_head: Any) -> Any:
+        """The fused step's weights, if the grids give MKL's bits for each GEMM shape."""
+        from pagedinfer.kernels import cpu_gemm, cpu_step  # import numba
+
+        libraries = [*(linear.mkl for linear in self.layers[0].linears()), self.lm_head_mkl]
+        for grid, mkl in zip([*layers[0], lm_head], libraries, strict=True):
+            if not cpu_gemm.matches_mkl(grid, lambda x, mkl=mkl: mkl_linear(x, mkl, None)):
+                return None
+        norms = torch.stack(
+            [
+                torch.stack((layer.input_layernorm.weight, layer.post_attention_layernorm.weight))
+                for layer in self.layers
+            ]
+        )
+        return cpu_step.FusedWeights.stack(
+            layers,
+            lm_head,
+            norms.detach().numpy(),
+            self.norm.weight.detach().numpy(),
+            self.config.rms_norm_eps,
+        )
 
     @torch.inference_mode()
     def forward(
@@ -546,10 +593,67 @@ class LlamaModel(nn.Module):
         rope = self.rotary(positions)
         # fp32 on CPU: the ops between the GEMMs run in `kernels.cpu_layer`'s kernels.
         compiled = torch_ops.compiled_kernels() and cpu_layer().supports(hidden, rope)
+        if compiled and self.fused is not None:
+            logits = self._fused_step(hidden, rope, kv_caches, attn, logits_indices)
+            if logits is not None:
+                return logits
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, rope, kv_cache, attn, compiled)
         # Only the sampled rows need the final norm and the (large) vocabulary projection.
         return self.compute_logits(self.norm(hidden[logits_indices], compiled))
+
+    def _fused_step(
+        self,
+        hidden: torch.Tensor,
+        rope: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """The step as one compiled call (`kernels.cpu_step`), where it serves the batch:
+        a few new tokens, every sequence's on the compiled attention kernels, caches
+        the kernels take. None: the step runs layer by layer."""
+        from pagedinfer.kernels import cpu_decode, cpu_step  # import numba
+
+        config = self.config
+        tokens = hidden.shape[0]
+        if tokens > cpu_step.FUSED_MAX_TOKENS:
+            return None
+        k_cache, v_cache = kv_caches[0]
+        query = hidden.new_empty(tokens, config.num_heads, config.head_dim)
+        if kernels.use_triton(k_cache) or not cpu_decode.supports(query, k_cache, v_cache):
+            return None
+        qsl = attn.query_start_loc
+        args = (query, k_cache, v_cache, attn.block_tables, attn.seq_lens, qsl)
+        scale = config.head_dim**-0.5
+        if not attn.validated:  # the checks the first layer's calls make
+            key = hidden.new_empty(tokens, config.num_kv_heads, config.head_dim)
+            check_write_kv(key, key, k_cache, v_cache, attn.slot_mapping, False)
+            check_paged_attention(*args, scale, None, check_values=False)
+        plan = attn.torch_plan(query, k_cache, v_cache)
+        if plan.groups:
+            return None
+        attn.validated = True
+        shape = cpu_step.StepShape(
+            hidden=config.hidden_size,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            intermediate=config.intermediate_size,
+            vocab=config.vocab_size,
+            block_size=k_cache.shape[1],
+        )
+        return cpu_step.fused_forward(
+            self.fused,
+            shape,
+            hidden,
+            rope,
+            attn.slot_mapping,
+            kv_caches,
+            plan,
+            logits_indices,
+            scale,
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head: fp32 logits [S, vocab] of final-normed hidden states [S, hidden]."""

@@ -1,6 +1,10 @@
-"""What the compiled CPU kernels share: the jit decorator's fallback and the fast exp."""
+"""What the compiled CPU kernels share: the jit decorator's fallback and disk-cache keys,
+and the fast exp."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -114,3 +118,25 @@ def test_fma_where_skips_zero_weights_even_against_nan() -> None:
 def test_lane_ops_take_only_c_contiguous_float32_rows() -> None:
     with pytest.raises(cpu_numba.numba.errors.TypingError):
         _fma_where(np.zeros(8, dtype=np.float32)[::2], np.zeros(4, dtype=np.float32), 1.0)
+
+
+def test_kernels_made_by_factories_keep_one_disk_cache_key_across_processes() -> None:
+    """numba keys a closure kernel's disk cache on its pickled closure values. They pickle
+    to the same bytes in every process (helpers and intrinsics with stable ids, fast-math
+    flags in a fixed order), or every process would compile those kernels again."""
+    code = (
+        "import hashlib\n"
+        "from numba.core.serialize import dumps\n"
+        "from pagedinfer.kernels import cpu_gemm, cpu_verify\n"
+        "for kernel in (cpu_verify._kernel(16, 9, 3, 64), cpu_gemm.gemm_all_rows('affine4', 576)):\n"
+        "    cells = tuple(cell.cell_contents for cell in kernel.py_func.__closure__)\n"
+        "    print(hashlib.sha256(dumps(cells)).hexdigest())\n"
+    )
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout
+        for _ in range(2)
+    ]
+    assert len(runs[0].split()) == 2
+    assert runs[0] == runs[1]

@@ -1,0 +1,320 @@
+"""A whole forward pass of a few tokens on CPU in one compiled call (numba, fp32).
+
+A decode step of one to a few tokens spends most of its time outside arithmetic: the
+GEMMs read 538 MB of fp32 weights to do a few MFLOP each, and between them some ten
+Python calls per layer each cost their dispatch, with the caches cold after every GEMM.
+Here the step runs as one call on the worker threads:
+
+- the GEMMs read the weights from their quantisation grid (`cpu_gemm`: 98 MB in place
+  of 538 for SmolLM2), each worker a share of the output tiles;
+- attention runs the same compiled kernels as a step through Python (`cpu_decode`,
+  `cpu_verify`), each worker a share of the sequences;
+- the small ops (`cpu_layer`'s RMSNorm, rotary and K/V write, SiLU) run on the first
+  worker, on a few rows;
+- between phases the workers wait at a spinning barrier (microseconds), not for Python.
+
+Every operation is the one the step through Python does, in the same order, with the
+same rounding (`cpu_gemm` gives MKL's bits): logits come out bit for bit the same,
+which keeps speculative decoding exact whichever path a step takes.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedinfer.kernels import cpu_decode, cpu_gemm, cpu_layer, cpu_verify
+from pagedinfer.kernels.cpu_numba import Job, barrier, jit, run_jobs
+
+# The most new tokens a step may have to run here. Above it the GEMMs of MKL's sgemm
+# (blocked for many rows) catch up with the grid's (measured on SmolLM2, 2 threads: the
+# grid 2-3x faster from 1 to 4 rows, level at about 8).
+FUSED_MAX_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class FusedWeights:
+    """A model's weights as the fused step reads them. Layer arrays are stacked:
+    [layers, ...]; each GEMM's codes and scales as in `cpu_gemm.GridWeight`."""
+
+    norms: np.ndarray  # fp32 [layers, 2, hidden]: input and post-attention RMSNorm
+    final_norm: np.ndarray  # fp32 [hidden]
+    eps: float
+    kinds: tuple[str, str, str, str, str]  # q/k/v, o, gate/up, down, LM head
+    codes: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+    scales: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+    @classmethod
+    def stack(
+        cls,
+        layers: Sequence[Sequence[cpu_gemm.GridWeight]],
+        lm_head: cpu_gemm.GridWeight,
+        norms: np.ndarray,
+        final_norm: np.ndarray,
+        eps: float,
+    ) -> FusedWeights | None:
+        """From each layer's four grids (q/k/v, o, gate/up, down); None where one GEMM's
+        grids differ in kind or shape across layers."""
+        kinds, codes, scales = [], [], []
+        for position in zip(*layers, strict=True):
+            first = position[0]
+            if any(
+                (g.kind, g.out_features, g.in_features)
+                != (first.kind, first.out_features, first.in_features)
+                for g in position
+            ):
+                return None
+            kinds.append(first.kind)
+            codes.append(np.stack([g.codes for g in position]))
+            scales.append(np.stack([g.scales for g in position]))
+        return cls(
+            norms=np.ascontiguousarray(norms, dtype=np.float32),
+            final_norm=np.ascontiguousarray(final_norm, dtype=np.float32),
+            eps=float(eps),
+            kinds=(*kinds, lm_head.kind),
+            codes=(*codes, lm_head.codes),
+            scales=(*scales, lm_head.scales),
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (*self.codes, *self.scales))
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The model facts the compiled step is specialised for."""
+
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    block_size: int
+
+
+def fused_forward(
+    weights: FusedWeights,
+    shape: StepShape,
+    hidden: torch.Tensor,
+    cos_sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    plan: Any,
+    logits_indices: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Every layer over the new tokens' hidden states [T, hidden] (the embeddings; updated
+    in place), then the final norm and LM head of rows logits_indices: fp32 logits
+    [S, vocab]. plan: the batch's `torch_ops.AttentionPlan` with compiled decodes and no
+    padded groups. Raises ValueError for a slot past the cache's end."""
+    tokens = hidden.shape[0]
+    qkv_width = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
+    q_width = shape.num_heads * shape.head_dim
+    qkv = torch.empty(tokens, qkv_width)
+    query = qkv[:, :q_width].view(tokens, shape.num_heads, shape.head_dim)
+    attn_out = torch.empty(tokens, shape.num_heads, shape.head_dim)
+    rows = logits_indices.numpy()
+    logits = torch.empty(rows.shape[0], shape.vocab)
+    sync = np.zeros(2, dtype=np.int64)  # arrivals at barriers; a bad slot's token + 1
+    decodes, runs = plan.decodes, plan.runs
+    empty_rows, empty_table = np.zeros(0, np.int64), np.zeros((0, 1), np.int32)
+    empty_ints = np.zeros(0, np.int32)
+    d_rows, d_tables, d_lens = (
+        (decodes.query_rows, decodes.block_tables, decodes.seq_lens)
+        if decodes is not None
+        else (empty_rows, empty_table, empty_ints)
+    )
+    r_rows, r_counts, r_tables, r_lens = (
+        (runs.query_rows, runs.counts, runs.block_tables, runs.seq_lens)
+        if runs is not None
+        else (empty_rows, empty_ints, empty_table, empty_ints)
+    )
+    args = (
+        hidden.numpy(),
+        cos_sin.numpy(),
+        slot_mapping.numpy(),
+        weights.norms,
+        weights.final_norm,
+        np.float32(weights.eps),
+        *weights.codes,
+        *weights.scales,
+        tuple(k.numpy() for k, _ in kv_caches),
+        tuple(v.numpy() for _, v in kv_caches),
+        d_rows,
+        d_tables,
+        d_lens,
+        r_rows,
+        r_counts,
+        r_tables,
+        r_lens,
+        np.float32(scale),
+        np.empty((tokens, shape.hidden), np.float32),  # normed
+        qkv.numpy(),
+        query.numpy(),
+        attn_out.numpy(),
+        np.empty((tokens, 2 * shape.intermediate), np.float32),  # gate | up
+        np.empty((tokens, shape.intermediate), np.float32),  # silu(gate) * up
+        rows,
+        np.empty((rows.shape[0], shape.hidden), np.float32),  # the sampled rows
+        np.empty((rows.shape[0], shape.hidden), np.float32),  # ... normed
+        logits.numpy(),
+        sync,
+    )
+    step = _kernel(shape, weights.kinds, len(kv_caches))
+    run_jobs([Job(step, args, torch.get_num_threads())])
+    if sync[1]:
+        token = int(sync[1]) - 1
+        raise ValueError(
+            f"slot_mapping: slot {int(slot_mapping[token])} of token {token} is outside the "
+            f"cache's {kv_caches[0][0].shape[0] * kv_caches[0][0].shape[1]} slots"
+        )
+    return logits
+
+
+@functools.cache
+def _kernel(shape: StepShape, kinds: tuple[str, ...], num_layers: int) -> Callable[..., None]:
+    """The compiled step for one model shape (compiled, or loaded from the cache, on first call)."""
+    nh, nkv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    hidden_tiles = shape.hidden // cpu_gemm.LANES
+    qkv_tiles = (nh + 2 * nkv) * d // cpu_gemm.LANES
+    gate_up_tiles = 2 * shape.intermediate // cpu_gemm.LANES
+    vocab_tiles = shape.vocab // cpu_gemm.LANES
+    lanes = cpu_gemm.LANES
+    slots_per_layer = nkv * d
+    qkv_gemm = cpu_gemm.gemm_all_rows(kinds[0], shape.hidden)
+    o_gemm = cpu_gemm.gemm_all_rows(kinds[1], nh * d)
+    gate_up_gemm = cpu_gemm.gemm_all_rows(kinds[2], shape.hidden)
+    down_gemm = cpu_gemm.gemm_all_rows(kinds[3], shape.intermediate)
+    lm_gemm = cpu_gemm.gemm_all_rows(kinds[4], shape.hidden)
+    decode = cpu_decode._kernel(shape.block_size, nh, nkv, d)
+    verify = cpu_verify._kernel(shape.block_size, nh, nkv, d)
+    rms_norm, rope_write_kv, silu_mul = (
+        cpu_layer._rms_norm,
+        cpu_layer._rope_write_kv,
+        cpu_layer._silu_mul,
+    )
+
+    @jit(nogil=True, error_model="numpy")
+    def step(
+        hidden: np.ndarray,
+        cos_sin: np.ndarray,
+        slots: np.ndarray,
+        norms: np.ndarray,
+        final_norm: np.ndarray,
+        eps: np.float32,
+        qkv_codes: np.ndarray,
+        o_codes: np.ndarray,
+        gate_up_codes: np.ndarray,
+        down_codes: np.ndarray,
+        lm_codes: np.ndarray,
+        qkv_scales: np.ndarray,
+        o_scales: np.ndarray,
+        gate_up_scales: np.ndarray,
+        down_scales: np.ndarray,
+        lm_scales: np.ndarray,
+        k_caches: Any,
+        v_caches: Any,
+        d_rows: np.ndarray,
+        d_tables: np.ndarray,
+        d_lens: np.ndarray,
+        r_rows: np.ndarray,
+        r_counts: np.ndarray,
+        r_tables: np.ndarray,
+        r_lens: np.ndarray,
+        scale: np.float32,
+        normed: np.ndarray,
+        qkv: np.ndarray,
+        query: np.ndarray,
+        attn_out: np.ndarray,
+        gate_up: np.ndarray,
+        act: np.ndarray,
+        rows: np.ndarray,
+        picked: np.ndarray,
+        picked_normed: np.ndarray,
+        logits: np.ndarray,
+        sync: np.ndarray,
+        worker: int,
+        workers: int,
+    ) -> None:
+        tokens = hidden.shape[0]
+        hidden_out = hidden.reshape(tokens, hidden_tiles, lanes)
+        qkv_out = qkv.reshape(tokens, qkv_tiles, lanes)
+        gate_up_out = gate_up.reshape(tokens, gate_up_tiles, lanes)
+        attn_rows = attn_out.reshape(tokens, nh * d)
+        logits_out = logits.reshape(rows.shape[0], vocab_tiles, lanes)
+        passed = 0
+        for layer in range(num_layers):
+            k_cache, v_cache = k_caches[layer], v_caches[layer]
+            if worker == 0:
+                rms_norm(hidden, norms[layer, 0], eps, normed)
+            passed = barrier(sync, workers, passed)
+            qkv_gemm(normed, qkv_codes[layer], qkv_scales[layer], qkv_out, False, worker, workers)
+            passed = barrier(sync, workers, passed)
+            if worker == 0:
+                cache_rows = k_cache.shape[0] * k_cache.shape[1]
+                bad = rope_write_kv(
+                    qkv,
+                    cos_sin,
+                    slots,
+                    k_cache.reshape(cache_rows, slots_per_layer),
+                    v_cache.reshape(cache_rows, slots_per_layer),
+                    nh,
+                    nkv,
+                )
+                if bad >= 0 and sync[1] == 0:
+                    sync[1] = bad + 1
+            passed = barrier(sync, workers, passed)
+            if sync[1] != 0:
+                return
+            decode(
+                query, k_cache, v_cache, d_rows, d_tables, d_lens, scale, attn_out, worker, workers
+            )
+            verify(
+                query,
+                k_cache,
+                v_cache,
+                r_rows,
+                r_counts,
+                r_tables,
+                r_lens,
+                scale,
+                attn_out,
+                worker,
+                workers,
+            )
+            passed = barrier(sync, workers, passed)
+            o_gemm(attn_rows, o_codes[layer], o_scales[layer], hidden_out, True, worker, workers)
+            passed = barrier(sync, workers, passed)
+            if worker == 0:
+                rms_norm(hidden, norms[layer, 1], eps, normed)
+            passed = barrier(sync, workers, passed)
+            gate_up_gemm(
+                normed,
+                gate_up_codes[layer],
+                gate_up_scales[layer],
+                gate_up_out,
+                False,
+                worker,
+                workers,
+            )
+            passed = barrier(sync, workers, passed)
+            if worker == 0:
+                silu_mul(gate_up, act)
+            passed = barrier(sync, workers, passed)
+            down_gemm(act, down_codes[layer], down_scales[layer], hidden_out, True, worker, workers)
+            passed = barrier(sync, workers, passed)
+        if worker == 0:
+            for i in range(rows.shape[0]):
+                picked[i] = hidden[rows[i]]
+            rms_norm(picked, final_norm, eps, picked_normed)
+        passed = barrier(sync, workers, passed)
+        lm_gemm(picked_normed, lm_codes, lm_scales, logits_out, False, worker, workers)
+
+    return step

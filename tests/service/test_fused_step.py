@@ -1,0 +1,258 @@
+"""The fused step: a forward pass of a few tokens as one compiled call gives the logits
+and the KV cache of the pass layer by layer, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("numba", reason="the fused step is compiled with numba")
+
+from pagedinfer.kernels import cpu_step, torch_ops
+from pagedinfer.service.models.llama import (
+    AttentionMetadata,
+    LlamaModel,
+    ModelConfig,
+    cpu_mkl_packing_available,
+)
+
+pytestmark = pytest.mark.skipif(
+    not (
+        cpu_mkl_packing_available(torch.device("cpu"), torch.float32)
+        and torch_ops.compiled_kernels()
+    ),
+    reason="the fused step reproduces MKL's packed GEMMs with the compiled kernels",
+)
+
+BLOCK_SIZE = 16
+
+
+def on_grid(
+    out_features: int, in_features: int, rng: np.random.Generator, bits: int
+) -> torch.Tensor:
+    """A weight as a GGUF model dequantises: Q4_1 (bits=4) or Q8_0 (bits=8)."""
+    blocks = (out_features, in_features // 32, 1)
+    d = (rng.random(blocks) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
+    if bits == 4:
+        m = (-rng.random(blocks) * 0.15).astype(np.float16).astype(np.float32)
+        q = rng.integers(0, 16, (out_features, in_features // 32, 32)).astype(np.float32)
+        q[..., 0], q[..., 1] = 0, 15  # as quantising does: the least and largest values
+        w = (d * q).astype(np.float32) + m
+    else:
+        q = rng.integers(-127, 128, (out_features, in_features // 32, 32)).astype(np.float32)
+        q[..., 0] = -127  # the block's largest magnitude
+        w = (d * q).astype(np.float32)
+    return torch.from_numpy(w.reshape(out_features, in_features))
+
+
+def grid_model(seed: int = 0) -> LlamaModel:
+    """A small Llama whose GEMM weights lie on 4-bit grids and whose (tied) embeddings on
+    an 8-bit one, packed for MKL as the loader packs it."""
+    config = ModelConfig(
+        architecture="llama",
+        vocab_size=512,
+        hidden_size=256,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_size=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        max_position_embeddings=512,
+    )
+    rng = np.random.default_rng(seed)
+    model = LlamaModel(config).eval()
+    with torch.no_grad():
+        for layer in model.layers:
+            for linear in layer.linears():
+                in_features, out_features = linear.weight.shape
+                linear.weight.copy_(on_grid(out_features, in_features, rng, 4).t())
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight.copy_(torch.from_numpy(rng.random(256).astype(np.float32) + 0.5))
+        model.embed_tokens.weight.copy_(on_grid(512, 256, rng, 8))
+    model.pack_weights_mkl()
+    return model
+
+
+class Cache:
+    """Paged K/V for a few sequences, blocks shuffled; NaN wherever nothing was written."""
+
+    def __init__(self, model: LlamaModel, num_seqs: int, max_len: int) -> None:
+        config = model.config
+        per_seq = -(-max_len // BLOCK_SIZE)
+        shape = (num_seqs * per_seq + 1, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+        self.kv = [
+            (torch.full(shape, float("nan")), torch.full(shape, float("nan")))
+            for _ in range(config.num_layers)
+        ]
+        order = torch.randperm(shape[0] - 1, generator=torch.Generator().manual_seed(3)) + 1
+        self.tables = order.view(num_seqs, per_seq).to(torch.int32)
+
+    def copy(self) -> Cache:
+        other = object.__new__(Cache)
+        other.kv = [(k.clone(), v.clone()) for k, v in self.kv]
+        other.tables = self.tables
+        return other
+
+    def equals(self, other: Cache) -> bool:
+        # NaN marks the slots never written: equal where both are NaN.
+        return all(
+            torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+            for pair, other_pair in zip(self.kv, other.kv, strict=True)
+            for a, b in zip(pair, other_pair, strict=True)
+        )
+
+    def step(
+        self, model: LlamaModel, chunks: list[tuple[int, list[int], int]], fused: bool
+    ) -> torch.Tensor:
+        """One forward over (sequence, new tokens, start) chunks; logits of every new token."""
+        ids, positions, slots, lens, starts = [], [], [], [], [0]
+        for seq, tokens, start in chunks:
+            pos = torch.arange(start, start + len(tokens))
+            table = self.tables[seq].long()
+            ids.append(torch.tensor(tokens))
+            positions.append(pos)
+            slots.append(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+            lens.append(start + len(tokens))
+            starts.append(starts[-1] + len(tokens))
+        attn = AttentionMetadata(
+            slot_mapping=torch.cat(slots),
+            block_tables=self.tables[[seq for seq, _, _ in chunks]],
+            seq_lens=torch.tensor(lens, dtype=torch.int32),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        )
+        saved = model.fused
+        model.fused = saved if fused else None
+        try:
+            return model(
+                torch.cat(ids), torch.cat(positions), self.kv, attn, torch.arange(starts[-1])
+            )
+        finally:
+            model.fused = saved
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaModel:
+    return grid_model()
+
+
+def prefilled(model: LlamaModel, lengths: list[int]) -> Cache:
+    cache = Cache(model, len(lengths), max(lengths) + 16)
+    gen = torch.Generator().manual_seed(5)
+    vocab = model.config.vocab_size
+    prompts = [
+        (s, torch.randint(0, vocab, (n,), generator=gen).tolist(), 0) for s, n in enumerate(lengths)
+    ]
+    cache.step(model, prompts, fused=False)
+    return cache
+
+
+def test_a_model_on_grids_gets_the_fused_step(model: LlamaModel) -> None:
+    assert model.fused is not None
+    assert model.fused.kinds == ("affine4",) * 4 + ("scaled8",)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "new_tokens",
+    [[1], [1, 1, 1], [5, 1], [2, 2, 2, 2], [1, 1, 1, 1, 1, 1, 1, 1], [3, 5]],
+    ids=["one", "three-decodes", "draft-and-decode", "four-runs", "eight-decodes", "runs"],
+)
+def test_the_fused_step_gives_the_layered_logits_and_cache(
+    model: LlamaModel, new_tokens: list[int], threads: int
+) -> None:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        lengths = [20, 47, 33, 16, 90, 5, 64, 31][: len(new_tokens)]
+        base = prefilled(model, lengths)
+        gen = torch.Generator().manual_seed(sum(new_tokens))
+        chunks = [
+            (s, torch.randint(0, 512, (n,), generator=gen).tolist(), lengths[s])
+            for s, n in enumerate(new_tokens)
+        ]
+        fused_cache, layered_cache = base.copy(), base.copy()
+        fused = fused_cache.step(model, chunks, fused=True)
+        layered = layered_cache.step(model, chunks, fused=False)
+        assert torch.equal(fused, layered)
+        assert fused_cache.equals(layered_cache)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_a_short_prompt_is_prefilled_in_one_fused_call(
+    model: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+    real = cpu_step.fused_forward
+    monkeypatch.setattr(cpu_step, "fused_forward", lambda *a: calls.append(1) or real(*a))
+    fused_cache, layered_cache = Cache(model, 1, 32), Cache(model, 1, 32)
+    prompt = [(0, [7, 8, 9, 10, 11, 12], 0)]
+    assert torch.equal(
+        fused_cache.step(model, prompt, fused=True), layered_cache.step(model, prompt, fused=False)
+    )
+    assert calls == [1]
+    assert fused_cache.equals(layered_cache)
+
+
+def test_larger_steps_run_layer_by_layer(
+    model: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(*args: object) -> None:
+        raise AssertionError("the fused step ran")
+
+    monkeypatch.setattr(cpu_step, "fused_forward", refuse)
+    cache = prefilled(model, [40])
+    too_many = cpu_step.FUSED_MAX_TOKENS + 1
+    cache.step(model, [(0, list(range(too_many)), 40)], fused=True)  # one sequence, 9 tokens
+    Cache(model, 1, 64).step(model, [(0, list(range(30)), 0)], fused=True)  # a prefill
+
+
+def test_a_slot_outside_the_cache_is_refused_by_name(model: LlamaModel) -> None:
+    cache = prefilled(model, [20])
+    slots = cache.kv[0][0].shape[0] * BLOCK_SIZE
+    attn = AttentionMetadata(
+        slot_mapping=torch.tensor([slots + 3]),
+        block_tables=cache.tables[:1],
+        seq_lens=torch.tensor([21], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+    )
+    attn.validated = True  # past the first layer's checks: the kernel's own check
+    with pytest.raises(ValueError, match=rf"slot {slots + 3} of token 0 is outside"):
+        model(torch.tensor([5]), torch.tensor([20]), cache.kv, attn, torch.tensor([0]))
+
+
+def test_weights_off_a_grid_or_with_biases_get_no_fused_step() -> None:
+    off_grid = grid_model(seed=1)
+    assert off_grid.fused is not None
+    plain = LlamaModel(off_grid.config).eval()
+    with torch.no_grad():
+        for parameter in plain.parameters():
+            parameter.normal_(0, 0.05)
+    plain.pack_weights_mkl()
+    assert plain.fused is None
+    config = ModelConfig(**{**off_grid.config.__dict__, "attention_bias": True})
+    biased = LlamaModel(config)
+    assert biased._grids() is None
+
+
+def test_the_default_model_takes_the_fused_step_with_the_same_logits(default_model_dir) -> None:
+    """SmolLM2 from its GGUF file: every GEMM weight on its Q4_1 or Q8_0 grid, one decode
+    and a sequence verifying a 4-token draft in one fused step."""
+    from pagedinfer.service.loader import load_model
+
+    model = load_model(str(default_model_dir)).model
+    assert model.fused is not None
+    assert model.fused.kinds == ("affine4",) * 4 + ("scaled8",)
+    base = prefilled(model, [37, 120])
+    chunks = [(0, [1000], 37), (1, [5, 6, 7, 8, 9], 120)]
+    fused_cache, layered_cache = base.copy(), base.copy()
+    assert torch.equal(
+        fused_cache.step(model, chunks, fused=True), layered_cache.step(model, chunks, fused=False)
+    )
+    assert fused_cache.equals(layered_cache)
