@@ -141,8 +141,9 @@ def model() -> LlamaModel:
     return grid_model()
 
 
-def prefilled(model: LlamaModel, lengths: list[int]) -> Cache:
-    cache = Cache(model, len(lengths), max(lengths) + 16)
+def prefilled(model: LlamaModel, lengths: list[int], room: int = 16) -> Cache:
+    """A cache holding a prompt of each length, with room for `room` more tokens each."""
+    cache = Cache(model, len(lengths), max(lengths) + room)
     gen = torch.Generator().manual_seed(5)
     vocab = model.config.vocab_size
     prompts = [
@@ -160,8 +161,16 @@ def test_a_model_on_grids_gets_the_fused_step(model: LlamaModel) -> None:
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(
     "new_tokens",
-    [[1], [1, 1, 1], [5, 1], [2, 2, 2, 2], [1, 1, 1, 1, 1, 1, 1, 1], [3, 5]],
-    ids=["one", "three-decodes", "draft-and-decode", "four-runs", "eight-decodes", "runs"],
+    [[1], [1, 1, 1], [5, 1], [2, 2, 2, 2], [1, 1, 1, 1, 1, 1, 1, 1], [3, 5], [5, 5, 5, 5, 4]],
+    ids=[
+        "one",
+        "three-decodes",
+        "draft-and-decode",
+        "four-runs",
+        "eight-decodes",
+        "runs",
+        "three-passes",  # 24 rows: two passes of 8 over each weight, then 8 more
+    ],
 )
 def test_the_fused_step_gives_the_layered_logits_and_cache(
     model: LlamaModel, new_tokens: list[int], threads: int
@@ -207,9 +216,10 @@ def test_larger_steps_run_layer_by_layer(
         raise AssertionError("the fused step ran")
 
     monkeypatch.setattr(cpu_step, "fused_forward", refuse)
-    cache = prefilled(model, [40])
-    too_many = cpu_step.FUSED_MAX_TOKENS + 1
-    cache.step(model, [(0, list(range(too_many)), 40)], fused=True)  # one sequence, 9 tokens
+    per_seq = 4  # every sequence on the compiled attention kernels: only the size stops it
+    num_seqs = cpu_step.FUSED_MAX_TOKENS // per_seq + 1
+    cache = prefilled(model, [20] * num_seqs)
+    cache.step(model, [(s, [1, 2, 3, 4], 20) for s in range(num_seqs)], fused=True)
     Cache(model, 1, 64).step(model, [(0, list(range(30)), 0)], fused=True)  # a prefill
 
 
