@@ -240,8 +240,9 @@ def critical_path(
     finishes the workload sooner. From it follow the most any schedule could gain over
     each baseline, and the highest MFU the workload allows (all its FLOPs done in the
     floor's time). Below it lies a floor for any engine: each of those steps reads every
-    weight once, at the machine's read bandwidth (of an array larger than the L3 cache;
-    weights that stay cached, as bf16 ones nearly can in a 300 MB L3, beat it).
+    weight once, in the least bytes that hold it exactly (its quantisation grid where the
+    model keeps one), at the machine's read bandwidth (of an array larger than the L3
+    cache; weights that stay cached in a 300 MB L3 beat it).
     """
     longest = max(range(len(wl.prompts)), key=lambda i: (wl.output_lens[i], len(wl.prompts[i])))
     # Fresh tokens of the same length: its own prompt would now hit the prefix cache.
@@ -252,8 +253,16 @@ def critical_path(
     floor = result["seconds"]
     total = wl.prompt_tokens + wl.output_tokens
     # Below any engine: every decode step reads every weight once (the tied LM head
-    # counted once), at the machine's read bandwidth, and nothing else.
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    # counted once), at the machine's read bandwidth, and nothing else. The weights in
+    # the least bytes that hold them exactly: their quantisation grid where the model
+    # keeps one (`kernels.cpu_step`), else as stored.
+    model = engine.runner.model
+    fused = getattr(model, "fused", None)
+    weight_bytes = (
+        fused.nbytes
+        if fused is not None
+        else sum(p.numel() * p.element_size() for p in model.parameters())
+    )
     bandwidth = read_bandwidth()
     return {
         "prompt_tokens": len(alone.prompts[0]),

@@ -85,7 +85,9 @@ class FusedWeights:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (*self.codes, *self.scales))
+        """What a step reads of them: every array once."""
+        arrays = (*self.codes, *self.scales, self.norms, self.final_norm)
+        return sum(a.nbytes for a in arrays)
 
 
 @dataclass(frozen=True)
