@@ -238,6 +238,9 @@ def test_fp32_forward_runs_the_compiled_layer_ops_unless_opted_out(
     cpu_kernels: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # The step layer by layer: a step this small would otherwise run as one fused call
+    # (tests/service/test_fused_step.py), which calls the kernels from compiled code.
+    monkeypatch.setattr(default_model.model, "fused", None)
     calls: Counter[str] = Counter()
     module = cpu_layer()
     for name in ("rms_norm", "silu_mul", "rope_write_kv"):
