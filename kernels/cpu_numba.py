@@ -70,9 +70,7 @@ def jit(**options: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
             dispatcher = numba.njit(cache=True, **options)(function)
         except RuntimeError:  # numba found no writable cache directory (read-only root fs)
             return numba.njit(**options)(function)
-        identity = _stable_identity(function)
-        if identity is not None:
-            dispatcher._set_uuid(identity)
+        _name(dispatcher, _stable_identity(function))
         return dispatcher
 
     return compile_lazily
@@ -83,8 +81,16 @@ def intrinsic(definition: Callable[..., Any]) -> Any:
     a kernel's disk-cache key pickles the intrinsics it calls)."""
     result = numba_intrinsic(definition)
     key = f"{definition.__module__}.{definition.__qualname__}"
-    result._set_uuid("pagedinfer-" + hashlib.sha256(key.encode()).hexdigest())
+    _name(result, "pagedinfer-" + hashlib.sha256(key.encode()).hexdigest())
     return result
+
+
+def _name(numba_object: Any, identity: str | None) -> None:
+    """Give a dispatcher or intrinsic its stable id (numba's own hook for ids that must
+    survive pickling); without one, or with a numba that has no such hook, it keeps the
+    random id numba draws, and only the disk cache misses."""
+    if identity is not None and hasattr(numba_object, "_set_uuid"):
+        numba_object._set_uuid(identity)
 
 
 def _stable_identity(function: Callable[..., Any]) -> str | None:

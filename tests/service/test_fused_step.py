@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from paged_cache import BLOCK_SIZE, PagedCache
 
 pytest.importorskip("numba", reason="the fused step is compiled with numba")
 
@@ -24,8 +25,6 @@ pytestmark = pytest.mark.skipif(
     ),
     reason="the fused step reproduces MKL's packed GEMMs with the compiled kernels",
 )
-
-BLOCK_SIZE = 16
 
 
 def on_grid(
@@ -79,61 +78,17 @@ def grid_model(seed: int = 0) -> LlamaModel:
     return model
 
 
-class Cache:
-    """Paged K/V for a few sequences, blocks shuffled; NaN wherever nothing was written."""
-
-    def __init__(self, model: LlamaModel, num_seqs: int, max_len: int) -> None:
-        config = model.config
-        per_seq = -(-max_len // BLOCK_SIZE)
-        shape = (num_seqs * per_seq + 1, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
-        self.kv = [
-            (torch.full(shape, float("nan")), torch.full(shape, float("nan")))
-            for _ in range(config.num_layers)
-        ]
-        order = torch.randperm(shape[0] - 1, generator=torch.Generator().manual_seed(3)) + 1
-        self.tables = order.view(num_seqs, per_seq).to(torch.int32)
-
-    def copy(self) -> Cache:
-        other = object.__new__(Cache)
-        other.kv = [(k.clone(), v.clone()) for k, v in self.kv]
-        other.tables = self.tables
-        return other
-
-    def equals(self, other: Cache) -> bool:
-        # NaN marks the slots never written: equal where both are NaN.
-        return all(
-            torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
-            for pair, other_pair in zip(self.kv, other.kv, strict=True)
-            for a, b in zip(pair, other_pair, strict=True)
-        )
-
-    def step(
-        self, model: LlamaModel, chunks: list[tuple[int, list[int], int]], fused: bool
-    ) -> torch.Tensor:
-        """One forward over (sequence, new tokens, start) chunks; logits of every new token."""
-        ids, positions, slots, lens, starts = [], [], [], [], [0]
-        for seq, tokens, start in chunks:
-            pos = torch.arange(start, start + len(tokens))
-            table = self.tables[seq].long()
-            ids.append(torch.tensor(tokens))
-            positions.append(pos)
-            slots.append(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
-            lens.append(start + len(tokens))
-            starts.append(starts[-1] + len(tokens))
-        attn = AttentionMetadata(
-            slot_mapping=torch.cat(slots),
-            block_tables=self.tables[[seq for seq, _, _ in chunks]],
-            seq_lens=torch.tensor(lens, dtype=torch.int32),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        )
-        saved = model.fused
-        model.fused = saved if fused else None
-        try:
-            return model(
-                torch.cat(ids), torch.cat(positions), self.kv, attn, torch.arange(starts[-1])
-            )
-        finally:
-            model.fused = saved
+def run(
+    cache: PagedCache, model: LlamaModel, chunks: list[tuple[int, list[int], int]], fused: bool
+) -> torch.Tensor:
+    """One forward over (sequence, new tokens, start) chunks, with the fused step allowed
+    or not; the logits of every new token."""
+    saved = model.fused
+    model.fused = saved if fused else None
+    try:
+        return torch.cat(cache.step(model, chunks))
+    finally:
+        model.fused = saved
 
 
 @pytest.fixture(scope="module")
@@ -141,15 +96,15 @@ def model() -> LlamaModel:
     return grid_model()
 
 
-def prefilled(model: LlamaModel, lengths: list[int], room: int = 16) -> Cache:
+def prefilled(model: LlamaModel, lengths: list[int], room: int = 16) -> PagedCache:
     """A cache holding a prompt of each length, with room for `room` more tokens each."""
-    cache = Cache(model, len(lengths), max(lengths) + room)
+    cache = PagedCache(model.config, len(lengths), max(lengths) + room, seed=3)
     gen = torch.Generator().manual_seed(5)
     vocab = model.config.vocab_size
     prompts = [
         (s, torch.randint(0, vocab, (n,), generator=gen).tolist(), 0) for s, n in enumerate(lengths)
     ]
-    cache.step(model, prompts, fused=False)
+    run(cache, model, prompts, fused=False)
     return cache
 
 
@@ -186,8 +141,8 @@ def test_the_fused_step_gives_the_layered_logits_and_cache(
             for s, n in enumerate(new_tokens)
         ]
         fused_cache, layered_cache = base.copy(), base.copy()
-        fused = fused_cache.step(model, chunks, fused=True)
-        layered = layered_cache.step(model, chunks, fused=False)
+        fused = run(fused_cache, model, chunks, fused=True)
+        layered = run(layered_cache, model, chunks, fused=False)
         assert torch.equal(fused, layered)
         assert fused_cache.equals(layered_cache)
     finally:
@@ -200,10 +155,10 @@ def test_a_short_prompt_is_prefilled_in_one_fused_call(
     calls = []
     real = cpu_step.fused_forward
     monkeypatch.setattr(cpu_step, "fused_forward", lambda *a: calls.append(1) or real(*a))
-    fused_cache, layered_cache = Cache(model, 1, 32), Cache(model, 1, 32)
+    fused_cache, layered_cache = PagedCache(model.config, 1, 32), PagedCache(model.config, 1, 32)
     prompt = [(0, [7, 8, 9, 10, 11, 12], 0)]
     assert torch.equal(
-        fused_cache.step(model, prompt, fused=True), layered_cache.step(model, prompt, fused=False)
+        run(fused_cache, model, prompt, fused=True), run(layered_cache, model, prompt, fused=False)
     )
     assert calls == [1]
     assert fused_cache.equals(layered_cache)
@@ -219,22 +174,22 @@ def test_larger_steps_run_layer_by_layer(
     per_seq = 4  # every sequence on the compiled attention kernels: only the size stops it
     num_seqs = cpu_step.FUSED_MAX_TOKENS // per_seq + 1
     cache = prefilled(model, [20] * num_seqs)
-    cache.step(model, [(s, [1, 2, 3, 4], 20) for s in range(num_seqs)], fused=True)
-    Cache(model, 1, 64).step(model, [(0, list(range(30)), 0)], fused=True)  # a prefill
+    run(cache, model, [(s, [1, 2, 3, 4], 20) for s in range(num_seqs)], fused=True)
+    run(PagedCache(model.config, 1, 64), model, [(0, list(range(30)), 0)], fused=True)  # prefill
 
 
 def test_a_slot_outside_the_cache_is_refused_by_name(model: LlamaModel) -> None:
     cache = prefilled(model, [20])
-    slots = cache.kv[0][0].shape[0] * BLOCK_SIZE
+    slots = cache.kv_caches[0][0].shape[0] * BLOCK_SIZE
     attn = AttentionMetadata(
         slot_mapping=torch.tensor([slots + 3]),
-        block_tables=cache.tables[:1],
+        block_tables=cache.block_tables[:1],
         seq_lens=torch.tensor([21], dtype=torch.int32),
         query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
     )
     attn.validated = True  # past the first layer's checks: the kernel's own check
     with pytest.raises(ValueError, match=rf"slot {slots + 3} of token 0 is outside"):
-        model(torch.tensor([5]), torch.tensor([20]), cache.kv, attn, torch.tensor([0]))
+        model(torch.tensor([5]), torch.tensor([20]), cache.kv_caches, attn, torch.tensor([0]))
 
 
 def test_weights_off_a_grid_or_with_biases_get_no_fused_step() -> None:
@@ -263,6 +218,6 @@ def test_the_default_model_takes_the_fused_step_with_the_same_logits(default_mod
     chunks = [(0, [1000], 37), (1, [5, 6, 7, 8, 9], 120)]
     fused_cache, layered_cache = base.copy(), base.copy()
     assert torch.equal(
-        fused_cache.step(model, chunks, fused=True), layered_cache.step(model, chunks, fused=False)
+        run(fused_cache, model, chunks, fused=True), run(layered_cache, model, chunks, fused=False)
     )
     assert fused_cache.equals(layered_cache)

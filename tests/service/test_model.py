@@ -8,20 +8,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from paged_cache import BLOCK_SIZE, PagedCache
 
 from pagedinfer.kernels import torch_ops
 from pagedinfer.service import loader
 from pagedinfer.service.loader import LoadedModel, load_model
 from pagedinfer.service.models.llama import (
     AttentionMetadata,
-    LlamaModel,
-    ModelConfig,
     cpu_layer,
     cpu_mkl_packing_available,
     cpu_weight_packing_available,
 )
 
-BLOCK_SIZE = 16
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    if n < 2:\n        return n\n",
@@ -29,60 +27,6 @@ PROMPTS = [
     "allocated on demand and almost nothing is wasted. " * 3,
     "Hi",
 ]
-
-
-class PagedCache:
-    """A KV cache with a shuffled block table per sequence: the test's own model runner."""
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        num_seqs: int,
-        max_len: int,
-        seed: int = 0,
-        dtype: torch.dtype = torch.float32,
-    ) -> None:
-        blocks_per_seq = -(-max_len // BLOCK_SIZE)
-        num_blocks = num_seqs * blocks_per_seq + 1
-        shape = (num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
-        # NaN in unused slots: reading anything that was never written poisons the output.
-        self.kv_caches = [
-            (
-                torch.full(shape, float("nan"), dtype=dtype),
-                torch.full(shape, float("nan"), dtype=dtype),
-            )
-            for _ in range(config.num_layers)
-        ]
-        order = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1
-        self.block_tables = order.view(num_seqs, blocks_per_seq).to(torch.int32)
-
-    def step(
-        self, model: LlamaModel, chunks: list[tuple[int, list[int], int]]
-    ) -> list[torch.Tensor]:
-        """Run one forward over chunks (seq index, new token ids, start position).
-
-        Returns each chunk's logits for all its new tokens.
-        """
-        ids, positions, slots, seq_ids, seq_lens, starts = [], [], [], [], [], [0]
-        for seq, tokens, start in chunks:
-            pos = torch.arange(start, start + len(tokens))
-            table = self.block_tables[seq].long()
-            ids.append(torch.tensor(tokens))
-            positions.append(pos)
-            slots.append(table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
-            seq_ids.append(seq)
-            seq_lens.append(start + len(tokens))
-            starts.append(starts[-1] + len(tokens))
-        attn = AttentionMetadata(
-            slot_mapping=torch.cat(slots),
-            block_tables=self.block_tables[seq_ids],
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        )
-        logits = model(
-            torch.cat(ids), torch.cat(positions), self.kv_caches, attn, torch.arange(starts[-1])
-        )
-        return list(logits.split([len(tokens) for _, tokens, _ in chunks]))
 
 
 def hf_logits(
