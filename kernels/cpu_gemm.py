@@ -107,11 +107,7 @@ def k_part(in_features: int) -> int:
 
 
 def shape_supported(out_features: int, in_features: int) -> bool:
-    return (
-        out_features % (LANES * TILE_GROUP) == 0
-        and in_features % GRID_BLOCK == 0
-        and k_part(in_features) > 0
-    )
+    return out_features % (LANES * TILE_GROUP) == 0 and k_part(in_features) > 0
 
 
 def to_grid(weight: torch.Tensor) -> GridWeight | None:

@@ -45,9 +45,9 @@ def on_grid(
     return torch.from_numpy(w.reshape(out_features, in_features))
 
 
-def grid_model(seed: int = 0) -> LlamaModel:
+def grid_model(seed: int = 0, pack: bool = True, attention_bias: bool = False) -> LlamaModel:
     """A small Llama whose GEMM weights lie on 4-bit grids and whose (tied) embeddings on
-    an 8-bit one, packed for MKL as the loader packs it."""
+    an 8-bit one, packed for MKL as the loader packs it (pack)."""
     config = ModelConfig(
         architecture="llama",
         vocab_size=512,
@@ -61,7 +61,7 @@ def grid_model(seed: int = 0) -> LlamaModel:
         rope_theta=10000.0,
         rope_scaling=None,
         tie_word_embeddings=True,
-        attention_bias=False,
+        attention_bias=attention_bias,
         max_position_embeddings=512,
     )
     rng = np.random.default_rng(seed)
@@ -74,7 +74,8 @@ def grid_model(seed: int = 0) -> LlamaModel:
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
                 norm.weight.copy_(torch.from_numpy(rng.random(256).astype(np.float32) + 0.5))
         model.embed_tokens.weight.copy_(on_grid(512, 256, rng, 8))
-    model.pack_weights_mkl()
+    if pack:
+        model.pack_weights_mkl()
     return model
 
 
@@ -193,17 +194,17 @@ def test_a_slot_outside_the_cache_is_refused_by_name(model: LlamaModel) -> None:
 
 
 def test_weights_off_a_grid_or_with_biases_get_no_fused_step() -> None:
-    off_grid = grid_model(seed=1)
-    assert off_grid.fused is not None
-    plain = LlamaModel(off_grid.config).eval()
+    on_grids = grid_model(seed=1)
+    assert on_grids.fused is not None
+    plain = LlamaModel(on_grids.config).eval()
     with torch.no_grad():
         for parameter in plain.parameters():
             parameter.normal_(0, 0.05)
     plain.pack_weights_mkl()
     assert plain.fused is None
-    config = ModelConfig(**{**off_grid.config.__dict__, "attention_bias": True})
-    biased = LlamaModel(config)
-    assert biased._grids() is None
+    # The same grid weights, with q/k/v biases: the fused step adds none.
+    assert grid_model(seed=1, pack=False)._grids() is not None
+    assert grid_model(seed=1, pack=False, attention_bias=True)._grids() is None
 
 
 def test_the_default_model_takes_the_fused_step_with_the_same_logits(default_model_dir) -> None:
