@@ -14,13 +14,20 @@ the same values in 98 MB (LM head included); `gemm` rebuilds each weight in regi
 layers' GEMMs took 8.1 ms at 1 row, 10.7 at 4 and 14.6 at 8, against 14-20, 19-25 and
 22-28 ms for MKL's packed sgemm (2 threads, weights from memory).
 
-Same bits: for the shapes of these models MKL sums each output over K in ceil(K / 384)
-equal parts, each one chain of fused multiply-adds from 0 in K order, and then adds the
-parts in order (measured for SmolLM2's shapes on 1 and 2 threads, at every row count).
-`gemm` does the same, so a row comes out the same whichever path computes it. The
-library's order is not the same for every shape, row count and thread count (one row of
-128 outputs on 2 threads sums otherwise): `matches_mkl` checks the model's weights
-against the library before a model uses them.
+Same bits: MKL's packed sgemm sums each output over K in parts, each one chain from 0
+in K order, and then adds the parts in order (a `SumOrder`). Where the parts end, and
+whether each step is a fused multiply-add, depend on the CPU, the shape, the rows and the
+threads (measured for SmolLM2's shapes): an Intel Xeon sums in ceil(K / 384) equal parts
+of fused steps at every row count; an AMD EPYC in parts of 192 (the last one shorter)
+of fused steps from 12 rows (from 4 on one thread), and calls of fewer rows, and on two
+threads the rows past the last whole four of calls of 5-11, in one chain of rounded
+products and rounded adds. The grid's GEMMs serve calls of up to GRID_MAX_ROWS rows,
+the library's the larger ones: `library_order` finds the order the library takes for
+those on this machine (emulating the candidates on a few outputs, then checking the
+compiled product on every output), and `gemm` sums every row in it. So a row comes out
+the same in every batch, whichever GEMM computes it, even where the library alone would
+not. Where no candidate gives the library's bits, there is no order and a model keeps
+no grid.
 
 Layouts: 16 output columns form a tile (a vector of fp32 lanes).
 - 4-bit: codes uint8 [tiles, K / 2, 16], byte (t, p, j) = q[16t + j, 2p] + 16 q[16t + j,
@@ -49,13 +56,13 @@ from pagedinfer.kernels.cpu_numba import (
     lanes_add,
     lanes_copy,
     lanes_fma,
+    lanes_mul_add,
     run_jobs,
     stack_array,
 )
 
 LANES = 16  # output columns per tile: one 512-bit vector of fp32
 GRID_BLOCK = 32  # inputs sharing one scale (and offset), as in GGUF's Q4_1 and Q8_0
-MKL_K_PART = 384  # the longest part of K that MKL's sgemm sums in one chain
 # The most rows one pass over the weight serves (more rows take more passes), and the
 # tiles it works on at once: enough independent chains to hide the FMA latency, few
 # enough that the accumulators stay in the 32 vector registers (measured on SmolLM2's
@@ -63,7 +70,20 @@ MKL_K_PART = 384  # the longest part of K that MKL's sgemm sums in one chain
 MAX_ROWS = 8
 TILE_GROUP = 4  # tiles per group; kernels of more than WIDE_ROWS rows take half of it
 WIDE_ROWS = 5
+# Calls of up to this many rows (steps of up to this many tokens) take the grid's GEMMs.
+GRID_MAX_ROWS = 32
 AFFINE4, SCALED8 = "affine4", "scaled8"
+
+
+@dataclass(frozen=True)
+class SumOrder:
+    """How a GEMM sums each output over K: in parts ending at `ends` (the last at K), each
+    one chain from 0 in K order, then the parts added in order, each addition rounded.
+    fused: each step of a chain is a fused multiply-add (rounded once), else a rounded
+    product and then a rounded add."""
+
+    ends: tuple[int, ...]
+    fused: bool
 
 
 @dataclass(frozen=True)
@@ -80,34 +100,39 @@ class GridWeight:
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes
 
-    def dense(self) -> torch.Tensor:
-        """The fp32 weight the grid holds (for checks: the kernels never build it)."""
-        tiles = self.out_features // LANES
+    def dense(self, tiles: int | None = None) -> torch.Tensor:
+        """The fp32 weight the grid holds, or its first `tiles` tiles' rows (for checks:
+        the kernels never build it)."""
+        tiles = self.out_features // LANES if tiles is None else tiles
         k = self.in_features
-        scales = self.scales.view(np.float16).astype(np.float32)
+        scales = self.scales[:tiles].view(np.float16).astype(np.float32)
         d = np.repeat(scales[:, :, 0, :], GRID_BLOCK, axis=1)  # [tiles, K, 16]
         m = np.repeat(scales[:, :, 1, :], GRID_BLOCK, axis=1)
         if self.kind == AFFINE4:
             q = np.empty((tiles, k, LANES), dtype=np.float32)
-            q[:, 0::2] = self.codes & 15
-            q[:, 1::2] = self.codes >> 4
+            q[:, 0::2] = self.codes[:tiles] & 15
+            q[:, 1::2] = self.codes[:tiles] >> 4
         else:
-            q = self.codes.astype(np.float32)
+            q = self.codes[:tiles].astype(np.float32)
         w = (d * q).astype(np.float32) + m
         return torch.from_numpy(np.ascontiguousarray(w.transpose(0, 2, 1))).reshape(
-            self.out_features, k
+            tiles * LANES, k
         )
 
 
-def k_part(in_features: int) -> int:
-    """The length of each of MKL's equal parts of K (0 where they are not whole grid blocks)."""
-    parts = -(-in_features // MKL_K_PART)
-    size = in_features // parts
-    return size if size * parts == in_features and size % GRID_BLOCK == 0 else 0
-
-
 def shape_supported(out_features: int, in_features: int) -> bool:
-    return out_features % (LANES * TILE_GROUP) == 0 and k_part(in_features) > 0
+    return out_features % (LANES * TILE_GROUP) == 0 and in_features % GRID_BLOCK == 0
+
+
+def candidate_ends(in_features: int) -> list[tuple[int, ...]]:
+    """The parts an order may have: up to 32 equal parts, or parts of a whole number of
+    grid blocks with a shorter last one; every part of an even length (a 4-bit code byte
+    holds two inputs)."""
+    k = in_features
+    equal = [tuple(range(k // p, k + 1, k // p)) for p in range(1, 33) if k % p == 0]
+    blocked = [(*range(n, k, n), k) for n in range(GRID_BLOCK, k, GRID_BLOCK)]
+    candidates = dict.fromkeys(e for e in equal + blocked if all(x % 2 == 0 for x in e))
+    return list(candidates)
 
 
 def to_grid(weight: torch.Tensor) -> GridWeight | None:
@@ -262,12 +287,15 @@ def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, scales: Any
 
 
 @functools.cache
-def gemm_kernel(kind: str, rows: int, in_features: int) -> Callable[..., None]:
+def gemm_kernel(
+    kind: str, rows: int, in_features: int, ends: tuple[int, ...], fused: bool
+) -> Callable[..., None]:
     """gemm(x, r0, codes, scales, out, add, worker, workers): rows r0 .. r0 + rows - 1 of
-    x [M, K] times the grid weight, into the same rows of out [M, tiles, 16] (add: out +=
-    the product, rounded once more, as `out += x @ W.T` does). The worker does tile groups
-    worker, worker + workers, ... of the weight's tiles // `tiles_per_group(rows)`."""
-    k, part = in_features, k_part(in_features)
+    x [M, K] times the grid weight, summed in the `SumOrder` (ends, fused), into the same
+    rows of out [M, tiles, 16] (add: out += the product, rounded once more, as `out += x
+    @ W.T` does). The worker does tile groups worker, worker + workers, ... of the
+    weight's tiles // `tiles_per_group(rows)`."""
+    k, parts = in_features, len(ends)
     tb, steps = tiles_per_group(rows), 2 if kind == AFFINE4 else 1
     blocks = k // GRID_BLOCK
     code_row = k // steps * LANES  # codes of one tile
@@ -291,11 +319,13 @@ def gemm_kernel(kind: str, rows: int, in_features: int) -> Callable[..., None]:
             for b in range(tb):
                 for r in range(rows):
                     lanes_copy(total[b, r], 0.0, LANES)
-            for start in range(0, k, part):
+            start = 0
+            for p in range(parts):
+                end = ends[p]
                 for b in range(tb):
                     for r in range(rows):
                         lanes_copy(acc[b, r], 0.0, LANES)
-                for i in range(start, start + part, steps):
+                for i in range(start, end, steps):
                     for b in range(tb):
                         t = t0 + b
                         at = t * code_row + i // steps * LANES
@@ -305,10 +335,14 @@ def gemm_kernel(kind: str, rows: int, in_features: int) -> Callable[..., None]:
                         for r in range(rows):
                             xr = x[r0 + r, i + h]
                             for b in range(tb):
-                                lanes_fma(acc[b, r], w[b, h], xr, LANES)
+                                if fused:
+                                    lanes_fma(acc[b, r], w[b, h], xr, LANES)
+                                else:
+                                    lanes_mul_add(acc[b, r], w[b, h], xr, LANES)
                 for b in range(tb):
                     for r in range(rows):
                         lanes_add(total[b, r], acc[b, r], LANES)
+                start = end
             for b in range(tb):
                 for r in range(rows):
                     if add:
@@ -324,12 +358,14 @@ def tiles_per_group(rows: int) -> int:
 
 
 @functools.cache
-def gemm_all_rows(kind: str, in_features: int) -> Callable[..., None]:
+def gemm_all_rows(
+    kind: str, in_features: int, ends: tuple[int, ...], fused: bool
+) -> Callable[..., None]:
     """gemm(x, codes, scales, out, add, worker, workers): `gemm_kernel`'s product for every
-    row of x, MAX_ROWS rows per pass over the weight. Every worker takes part (each
-    kernel's tile groups are split among them)."""
+    row of x, summed in the `SumOrder` (ends, fused), MAX_ROWS rows per pass over the
+    weight. Every worker takes part (each kernel's tile groups are split among them)."""
     g1, g2, g3, g4, g5, g6, g7, g8 = (
-        gemm_kernel(kind, rows, in_features) for rows in range(1, MAX_ROWS + 1)
+        gemm_kernel(kind, rows, in_features, ends, fused) for rows in range(1, MAX_ROWS + 1)
     )
 
     @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
@@ -365,10 +401,14 @@ def gemm_all_rows(kind: str, in_features: int) -> Callable[..., None]:
 
 
 def grid_linear(
-    x: torch.Tensor, weight: GridWeight, out: torch.Tensor | None = None, add: bool = False
+    x: torch.Tensor,
+    weight: GridWeight,
+    order: SumOrder,
+    out: torch.Tensor | None = None,
+    add: bool = False,
 ) -> torch.Tensor:
-    """x @ W.T on the worker threads, W held as `weight` (x: fp32 [M, in_features], C
-    contiguous). add: out += the product in place (out given)."""
+    """x @ W.T on the worker threads, W held as `weight`, summed in `order` (x: fp32 [M,
+    in_features], C contiguous). add: out += the product in place (out given)."""
     if add and out is None:
         raise ValueError("grid_linear: add needs out")
     if x.dim() != 2 or x.shape[1] != weight.in_features or not x.is_contiguous():
@@ -377,21 +417,63 @@ def grid_linear(
         )
     if out is None:
         out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
+    elif out.shape != (x.shape[0], weight.out_features) or not out.is_contiguous():
+        raise ValueError(
+            f"grid_linear: out must be contiguous [{x.shape[0]}, {weight.out_features}], "
+            f"got {tuple(out.shape)}"
+        )
     view = out.numpy().reshape(x.shape[0], weight.out_features // LANES, LANES)
-    gemm = gemm_all_rows(weight.kind, weight.in_features)
+    gemm = gemm_all_rows(weight.kind, weight.in_features, order.ends, order.fused)
     args = (x.numpy(), weight.codes, weight.scales, view, add)
     run_jobs([Job(gemm, args, weight.out_features // LANES // TILE_GROUP)])
     return out
 
 
-def matches_mkl(weight: GridWeight, mkl_linear: Callable[[torch.Tensor], torch.Tensor]) -> bool:
-    """Whether `gemm` gives exactly what the library gives for this weight on this machine
-    and thread count, at every row count a pass takes and at two passes (random inputs;
-    the library's weight: `mkl_linear`). The library's order can change with the shape,
-    the rows and the threads (one row of 128 outputs on two threads sums otherwise)."""
-    x = torch.randn(MAX_ROWS + 1, weight.in_features, generator=torch.Generator().manual_seed(0))
-    expected = mkl_linear(x)
-    return all(
-        torch.equal(grid_linear(x[:rows], weight), mkl_linear(x[:rows]))
-        for rows in range(1, MAX_ROWS)
-    ) and torch.equal(grid_linear(x, weight), expected)
+def library_order(
+    weight: GridWeight, library: Callable[[torch.Tensor], torch.Tensor]
+) -> SumOrder | None:
+    """The order in which `library` (x -> x @ W.T, the weight this grid holds) sums calls
+    of more than GRID_MAX_ROWS rows on this machine and thread count: the `SumOrder` whose
+    emulation gives the library's bits on the first outputs of a few rows of such a call,
+    checked then on every row and output (random inputs). None where no candidate gives
+    them."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(GRID_MAX_ROWS + MAX_ROWS + 1, weight.in_features, generator=generator)
+    expected = library(x)
+    w = weight.dense(1).numpy()  # the first tile's outputs
+    probe = x[-4:].numpy()  # enough rows to tell the candidates apart
+    candidates = candidate_ends(weight.in_features)
+    for fused in (True, False):
+        sums = _emulate(w, probe, candidates, fused)  # [candidates, rows, outputs]
+        for ends, found in zip(candidates, sums, strict=True):
+            if (found == expected[-4:, : w.shape[0]].numpy()).all():
+                order = SumOrder(ends, fused)
+                return order if torch.equal(grid_linear(x, weight, order), expected) else None
+    return None
+
+
+def _emulate(
+    w: np.ndarray, x: np.ndarray, candidates: list[tuple[int, ...]], fused: bool
+) -> np.ndarray:
+    """x @ w.T summed in the `SumOrder` (ends, fused) for every ends of candidates, in
+    numpy: fp32 [candidates, rows, outputs]. Each step is computed in extended precision
+    and rounded to fp32 (the product of two fp32 values is exact there, so a fused step
+    rounds once)."""
+    wide = np.longdouble
+    k = x.shape[1]
+    starts = np.zeros((len(candidates), k), dtype=bool)  # where each later part starts
+    for c, ends in enumerate(candidates):
+        starts[c, list(ends[:-1])] = True
+    xs, ws = x.astype(wide), w.astype(wide)
+    acc = np.zeros((len(candidates), x.shape[0], w.shape[0]), dtype=wide)
+    total = np.zeros_like(acc)
+    for i in range(k):
+        ends_here = starts[:, i]
+        if ends_here.any():
+            total[ends_here] = (total[ends_here] + acc[ends_here]).astype(np.float32)
+            acc[ends_here] = 0
+        product = xs[:, i, None] * ws[None, :, i]
+        if not fused:
+            product = product.astype(np.float32).astype(wide)
+        acc = (acc + product).astype(np.float32).astype(wide)
+    return (total + acc).astype(np.float32)

@@ -340,6 +340,15 @@ def lanes_fma(typingctx: Any, y: Any, x: Any, a: Any, width: Any) -> Any:
 
 
 @intrinsic
+def lanes_mul_add(typingctx: Any, y: Any, x: Any, a: Any, width: Any) -> Any:
+    """y[:width] = x[:width] * a + y[:width], the product rounded, then the sum (a: lanes
+    or a scalar): what a library that does not fuse them computes."""
+    return _lane_op(
+        (y, x, a, width), lambda b, y, x, a: b.fadd(b.fmul(x, a, flags=EXACT), y, flags=EXACT)
+    )
+
+
+@intrinsic
 def lanes_fma_where(typingctx: Any, y: Any, x: Any, a: Any, width: Any) -> Any:
     """`lanes_fma` in the lanes where x is not 0: elsewhere y stays as it is, even where a
     is NaN or inf (0 * a would be NaN)."""

@@ -14,7 +14,7 @@ Here the step runs as one call on the worker threads:
 - between phases the workers wait at a spinning barrier (microseconds), not for Python.
 
 Every operation is the one the step through Python does, in the same order, with the
-same rounding (`cpu_gemm` gives MKL's bits): logits come out bit for bit the same,
+same rounding (`cpu_gemm` sums in the library's order): logits come out bit for bit the same,
 which keeps speculative decoding exact whichever path a step takes.
 """
 
@@ -31,13 +31,14 @@ import torch
 from pagedinfer.kernels import cpu_decode, cpu_gemm, cpu_layer, cpu_verify
 from pagedinfer.kernels.cpu_numba import Job, barrier, jit, run_jobs
 
-# The most new tokens a step may have to run here. The grid GEMMs lose to MKL's sgemm
-# (blocked for many rows) from about 16 rows (two passes of 8: 29.2 ms for SmolLM2's 30
-# layers against 27.4), but the step as one call saves the Python
-# and dispatch of some ten calls per layer: measured on SmolLM2, 2 threads, contexts of
-# 150-300 tokens, alternating with the step layer by layer: 2.0x at 1 token, 1.5x at
-# 12-16, 1.1-1.2x at 32, 1.06x at 48 and 0.91x at 64.
-FUSED_MAX_TOKENS = 32
+# The most new tokens a step may have to run here: its GEMMs have no more rows than the
+# grid serves (`cpu_gemm.GRID_MAX_ROWS`). The grid GEMMs lose to MKL's sgemm (blocked for
+# many rows) from about 16 rows (two passes of 8: 29.2 ms for SmolLM2's 30 layers against
+# 27.4), but the step as one call saves the Python and dispatch of some ten calls per
+# layer: measured on SmolLM2, 2 threads, contexts of 150-300 tokens, alternating with the
+# step layer by layer: 2.0x at 1 token, 1.5x at 12-16, 1.1-1.2x at 32, 1.06x at 48 and
+# 0.91x at 64.
+FUSED_MAX_TOKENS = cpu_gemm.GRID_MAX_ROWS
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class FusedWeights:
     final_norm: np.ndarray  # fp32 [hidden]
     eps: float
     kinds: tuple[str, str, str, str, str]  # q/k/v, o, gate/up, down, LM head
+    orders: tuple[cpu_gemm.SumOrder, ...]  # each GEMM's, as `cpu_gemm.library_order`
     codes: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
     scales: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
@@ -57,12 +59,14 @@ class FusedWeights:
         cls,
         layers: Sequence[Sequence[cpu_gemm.GridWeight]],
         lm_head: cpu_gemm.GridWeight,
+        orders: Sequence[cpu_gemm.SumOrder],
         norms: np.ndarray,
         final_norm: np.ndarray,
         eps: float,
     ) -> FusedWeights | None:
-        """From each layer's four grids (q/k/v, o, gate/up, down); None where one GEMM's
-        grids differ in kind or shape across layers."""
+        """From each layer's four grids (q/k/v, o, gate/up, down) and the library's order
+        for each GEMM (the four and the LM head); None where one GEMM's grids differ in
+        kind or shape across layers."""
         kinds, codes, scales = [], [], []
         for position in zip(*layers, strict=True):
             first = position[0]
@@ -80,6 +84,7 @@ class FusedWeights:
             final_norm=np.ascontiguousarray(final_norm, dtype=np.float32),
             eps=float(eps),
             kinds=(*kinds, lm_head.kind),
+            orders=tuple(orders),
             codes=(*codes, lm_head.codes),
             scales=(*scales, lm_head.scales),
         )
@@ -172,7 +177,7 @@ def fused_forward(
         logits.numpy(),
         sync,
     )
-    step = _kernel(shape, weights.kinds, len(kv_caches))
+    step = _kernel(shape, weights.kinds, weights.orders, len(kv_caches))
     run_jobs([Job(step, args, torch.get_num_threads())])
     if sync[1]:
         token = int(sync[1]) - 1
@@ -184,7 +189,12 @@ def fused_forward(
 
 
 @functools.cache
-def _kernel(shape: StepShape, kinds: tuple[str, ...], num_layers: int) -> Callable[..., None]:
+def _kernel(
+    shape: StepShape,
+    kinds: tuple[str, ...],
+    orders: tuple[cpu_gemm.SumOrder, ...],
+    num_layers: int,
+) -> Callable[..., None]:
     """The compiled step for one model shape (compiled, or loaded from the cache, on first call)."""
     nh, nkv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
     hidden_tiles = shape.hidden // cpu_gemm.LANES
@@ -193,11 +203,15 @@ def _kernel(shape: StepShape, kinds: tuple[str, ...], num_layers: int) -> Callab
     vocab_tiles = shape.vocab // cpu_gemm.LANES
     lanes = cpu_gemm.LANES
     slots_per_layer = nkv * d
-    qkv_gemm = cpu_gemm.gemm_all_rows(kinds[0], shape.hidden)
-    o_gemm = cpu_gemm.gemm_all_rows(kinds[1], nh * d)
-    gate_up_gemm = cpu_gemm.gemm_all_rows(kinds[2], shape.hidden)
-    down_gemm = cpu_gemm.gemm_all_rows(kinds[3], shape.intermediate)
-    lm_gemm = cpu_gemm.gemm_all_rows(kinds[4], shape.hidden)
+
+    def gemm(i: int, in_features: int) -> Callable[..., None]:
+        return cpu_gemm.gemm_all_rows(kinds[i], in_features, orders[i].ends, orders[i].fused)
+
+    qkv_gemm = gemm(0, shape.hidden)
+    o_gemm = gemm(1, nh * d)
+    gate_up_gemm = gemm(2, shape.hidden)
+    down_gemm = gemm(3, shape.intermediate)
+    lm_gemm = gemm(4, shape.hidden)
     decode = cpu_decode._kernel(shape.block_size, nh, nkv, d)
     verify = cpu_verify._kernel(shape.block_size, nh, nkv, d)
     rms_norm, rope_write_kv, silu_mul = (

@@ -10,8 +10,10 @@ so each layer runs four GEMMs. The loader fills them from Hugging Face checkpoin
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -292,6 +294,10 @@ class Linear(nn.Module):
         # Where the engine packed the weight (see `pack`), the dense copy is gone.
         self.packed: torch.Tensor | None = None  # oneDNN's layout (bf16)
         self.mkl: MKLPacked | None = None  # MKL's layout (fp32)
+        # The GEMM from the weight's quantisation grid, for calls of up to grid_rows rows,
+        # where the model keeps one (`use_grid`).
+        self.grid: Callable[..., torch.Tensor] | None = None
+        self.grid_rows = 0
 
     def pack(self) -> None:
         """Reorder the weight into oneDNN's layout (bf16), once; every later call uses it.
@@ -307,9 +313,17 @@ class Linear(nn.Module):
         self.mkl = MKLPacked.of(self.weight.t())
         self.weight = nn.Parameter(self.weight.to("meta"), requires_grad=False)
 
+    def use_grid(self, grid: Callable[..., torch.Tensor], rows: int) -> None:
+        """Take GEMMs of up to `rows` rows from the weight's grid: grid(x, out=None,
+        add=False) as `cpu_gemm.grid_linear`, summing as MKL sums larger calls (the fused
+        step's GEMMs, so a step gives the same bits either way)."""
+        self.grid, self.grid_rows = grid, rows
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
+        if self.grid is not None and x.shape[0] <= self.grid_rows:
+            return self.grid(x.contiguous())
         if self.mkl is not None:
             return mkl_linear(x, self.mkl, self.bias)
         if self.bias is None:
@@ -320,6 +334,9 @@ class Linear(nn.Module):
         """out += x @ weight (+ bias), with the addition fused into the GEMM where it can be."""
         if self.packed is not None:
             out += packed_linear(x, self.packed, self.bias)
+            return
+        if self.grid is not None and x.shape[0] <= self.grid_rows and out.is_contiguous():
+            self.grid(x.contiguous(), out=out, add=True)
             return
         if self.mkl is not None:
             out += mkl_linear(x, self.mkl, self.bias)
@@ -496,6 +513,8 @@ class LlamaModel(nn.Module):
         )
         self.lm_head_packed: torch.Tensor | None = None  # set by pack_weights
         self.lm_head_mkl: MKLPacked | None = None  # set by pack_weights_mkl
+        self.lm_head_grid: Callable[..., torch.Tensor] | None = None  # as Linear.grid
+        self.lm_head_grid_rows = 0
         # Set by pack_weights_mkl where every GEMM weight lies on a quantisation grid that
         # reproduces MKL's results: steps of a few tokens then run as one compiled call.
         self.fused: Any = None  # kernels.cpu_step.FusedWeights
@@ -549,26 +568,46 @@ class LlamaModel(nn.Module):
         return None if lm_head is None else (layers, lm_head)
 
     def _fused_weights(self, layers: list[list[Any]], lm_head: Any) -> Any:
-        """The fused step's weights, if the grids give MKL's bits for each GEMM shape."""
+        """The fused step's weights, if the grids can give MKL's bits for each GEMM shape
+        (summed in the order MKL sums on this machine); every GEMM then takes calls of a
+        few rows from its grid (`Linear.use_grid`), so that a row comes out the same in
+        a step of any size and through either path."""
         from pagedinfer.kernels import cpu_gemm, cpu_step  # import numba
 
         libraries = [*(linear.mkl for linear in self.layers[0].linears()), self.lm_head_mkl]
+        orders = []
         for grid, mkl in zip([*layers[0], lm_head], libraries, strict=True):
-            if not cpu_gemm.matches_mkl(grid, lambda x, mkl=mkl: mkl_linear(x, mkl, None)):
+            order = cpu_gemm.library_order(grid, lambda x, mkl=mkl: mkl_linear(x, mkl, None))
+            if order is None:
                 return None
+            orders.append(order)
         norms = torch.stack(
             [
                 torch.stack((layer.input_layernorm.weight, layer.post_attention_layernorm.weight))
                 for layer in self.layers
             ]
         )
-        return cpu_step.FusedWeights.stack(
+        fused = cpu_step.FusedWeights.stack(
             layers,
             lm_head,
+            orders,
             norms.detach().numpy(),
             self.norm.weight.detach().numpy(),
             self.config.rms_norm_eps,
         )
+        if fused is None:
+            return None
+        rows = cpu_gemm.GRID_MAX_ROWS
+        for i, layer in enumerate(self.layers):
+            for position, (linear, grid) in enumerate(zip(layer.linears(), layers[i], strict=True)):
+                # A view of the stacked grid: the fused step's arrays serve both paths.
+                codes, scales = fused.codes[position][i], fused.scales[position][i]
+                view = dataclasses.replace(grid, codes=codes, scales=scales)
+                gemm = functools.partial(cpu_gemm.grid_linear, weight=view, order=orders[position])
+                linear.use_grid(gemm, rows)
+        self.lm_head_grid = functools.partial(cpu_gemm.grid_linear, weight=lm_head, order=orders[4])
+        self.lm_head_grid_rows = rows
+        return fused
 
     @torch.inference_mode()
     def forward(
@@ -659,6 +698,8 @@ class LlamaModel(nn.Module):
         """The LM head: fp32 logits [S, vocab] of final-normed hidden states [S, hidden]."""
         if self.lm_head_packed is not None:
             return packed_linear(hidden, self.lm_head_packed, None).float()
+        if self.lm_head_grid is not None and hidden.shape[0] <= self.lm_head_grid_rows:
+            return self.lm_head_grid(hidden.contiguous())
         if self.lm_head_mkl is not None:
             return mkl_linear(hidden, self.lm_head_mkl, None)
         return F.linear(hidden, self.lm_head_weight()).float()

@@ -1,5 +1,5 @@
-"""GEMMs from weights kept on their quantisation grid: the grid is found exactly, and the
-products carry MKL's bits."""
+"""GEMMs from weights kept on their quantisation grid: the grid is found exactly, the
+order the library sums in is found, and the products carry the library's bits."""
 
 from __future__ import annotations
 
@@ -87,32 +87,74 @@ needs_mkl = pytest.mark.skipif(
     ],
     ids=["qkv", "down", "small", "lm-head"],
 )
-def test_products_carry_the_library_bits_at_every_row_count(make, shape) -> None:
+def test_every_row_carries_the_bits_of_the_librarys_large_calls(make, shape) -> None:
+    """The grid sums in the order MKL takes for calls of more than GRID_MAX_ROWS rows on
+    this machine, so a row comes out the same in a call of any size (the library alone
+    sums small calls otherwise on some CPUs)."""
     weight = make(*shape)
     grid = cpu_gemm.to_grid(weight)
     mkl = MKLPacked.of(weight)
+    order = cpu_gemm.library_order(grid, lambda x: mkl_linear(x, mkl, None))
+    assert order is not None
     generator = torch.Generator().manual_seed(1)
-    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17):
-        x = torch.randn(rows, shape[1], generator=generator)
-        assert torch.equal(cpu_gemm.grid_linear(x, grid), mkl_linear(x, mkl, None)), rows
-    assert cpu_gemm.matches_mkl(grid, lambda x: mkl_linear(x, mkl, None))
+    x = torch.randn(cpu_gemm.GRID_MAX_ROWS + 9, shape[1], generator=generator)
+    expected = mkl_linear(x, mkl, None)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17, cpu_gemm.GRID_MAX_ROWS, len(x)):
+        assert torch.equal(cpu_gemm.grid_linear(x[-rows:], grid, order), expected[-rows:]), rows
+
+
+@pytest.mark.parametrize(
+    "order",
+    [
+        cpu_gemm.SumOrder((256,), False),
+        cpu_gemm.SumOrder((128, 256), True),
+        cpu_gemm.SumOrder((96, 192, 256), True),
+    ],
+    ids=["one-chain-unfused", "two-equal-parts", "parts-of-96"],
+)
+def test_the_order_of_a_library_is_found(order) -> None:
+    """Whatever order a library sums in (here the grid's own GEMM in a given order), the
+    order found gives its bits: so a CPU whose library sums otherwise still gets the grid."""
+    grid = cpu_gemm.to_grid(affine4_weight(64, 256, seed=3))
+    found = cpu_gemm.library_order(grid, lambda x: cpu_gemm.grid_linear(x, grid, order))
+    assert found == order
+    x = torch.randn(5, 256)
+    assert not torch.equal(
+        cpu_gemm.grid_linear(x, grid, order),
+        cpu_gemm.grid_linear(x, grid, cpu_gemm.SumOrder((32, 64, 256), order.fused)),
+    )
+
+
+def test_a_library_no_order_reproduces_gets_none() -> None:
+    weight = affine4_weight(64, 256, seed=5)
+    grid = cpu_gemm.to_grid(weight)
+    dense = weight.double()
+
+    def pairwise_in_fp64(x: torch.Tensor) -> torch.Tensor:
+        return (x.double() @ dense.t()).float()
+
+    assert cpu_gemm.library_order(grid, pairwise_in_fp64) is None
 
 
 @needs_mkl
 def test_adding_into_out_rounds_as_an_inplace_add() -> None:
     weight = affine4_weight(576, 576, seed=2)
     grid, mkl = cpu_gemm.to_grid(weight), MKLPacked.of(weight)
-    x, residual = torch.randn(3, 576), torch.randn(3, 576)
+    order = cpu_gemm.library_order(grid, lambda x: mkl_linear(x, mkl, None))
+    x, residual = torch.randn(cpu_gemm.GRID_MAX_ROWS + 1, 576), torch.randn(3, 576)
     expected = residual.clone()
-    expected += mkl_linear(x, mkl, None)
+    expected += mkl_linear(x, mkl, None)[:3]
     out = residual.clone()
-    cpu_gemm.grid_linear(x, grid, out, add=True)
+    cpu_gemm.grid_linear(x[:3].contiguous(), grid, order, out, add=True)
     assert torch.equal(out, expected)
 
 
 def test_an_input_of_the_wrong_shape_is_refused() -> None:
     grid = cpu_gemm.to_grid(affine4_weight(64, 256))
+    order = cpu_gemm.SumOrder((256,), True)
     with pytest.raises(ValueError, match=r"contiguous \[M, 256\]"):
-        cpu_gemm.grid_linear(torch.randn(2, 128), grid)
+        cpu_gemm.grid_linear(torch.randn(2, 128), grid, order)
     with pytest.raises(ValueError, match="add needs out"):
-        cpu_gemm.grid_linear(torch.randn(2, 256), grid, add=True)
+        cpu_gemm.grid_linear(torch.randn(2, 256), grid, order, add=True)
+    with pytest.raises(ValueError, match=r"out must be contiguous \[2, 64\]"):
+        cpu_gemm.grid_linear(torch.randn(2, 256), grid, order, torch.empty(64, 2).t(), add=True)

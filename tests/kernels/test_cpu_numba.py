@@ -128,7 +128,8 @@ def test_kernels_made_by_factories_keep_one_disk_cache_key_across_processes() ->
         "import hashlib\n"
         "from numba.core.serialize import dumps\n"
         "from pagedinfer.kernels import cpu_gemm, cpu_verify\n"
-        "for kernel in (cpu_verify._kernel(16, 9, 3, 64), cpu_gemm.gemm_all_rows('affine4', 576)):\n"
+        "gemm = cpu_gemm.gemm_all_rows('affine4', 576, (288, 576), True)\n"
+        "for kernel in (cpu_verify._kernel(16, 9, 3, 64), gemm):\n"
         "    cells = tuple(cell.cell_contents for cell in kernel.py_func.__closure__)\n"
         "    print(hashlib.sha256(dumps(cells)).hexdigest())\n"
     )

@@ -150,6 +150,25 @@ def test_the_fused_step_gives_the_layered_logits_and_cache(
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_row_comes_out_the_same_in_a_step_of_any_size(model: LlamaModel, threads: int) -> None:
+    """A decode's logits from the fused step of its one token equal those it gets beside a
+    prompt chunk that makes the step too large for it, where every GEMM is the library's:
+    the grid sums in the order the library takes for large calls (on CPUs where the
+    library sums small calls otherwise, the library alone would not give the same)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        base = prefilled(model, [20, 5], room=cpu_step.FUSED_MAX_TOKENS + 16)
+        decode = (0, [42], 20)
+        chunk = (1, list(range(100, 100 + cpu_step.FUSED_MAX_TOKENS + 8)), 5)
+        alone = run(base.copy(), model, [decode], fused=True)
+        crowded = run(base.copy(), model, [decode, chunk], fused=True)
+        assert torch.equal(alone[0], crowded[0])
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_a_short_prompt_is_prefilled_in_one_fused_call(
     model: LlamaModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
