@@ -442,11 +442,12 @@ def library_order(
     expected = library(x)
     w = weight.dense(1).numpy()  # the first tile's outputs
     probe = x[-4:].numpy()  # enough rows to tell the candidates apart
+    wanted = expected[-4:, : w.shape[0]].numpy()
     candidates = candidate_ends(weight.in_features)
     for fused in (True, False):
         sums = _emulate(w, probe, candidates, fused)  # [candidates, rows, outputs]
         for ends, found in zip(candidates, sums, strict=True):
-            if (found == expected[-4:, : w.shape[0]].numpy()).all():
+            if (found == wanted).all():
                 order = SumOrder(ends, fused)
                 return order if torch.equal(grid_linear(x, weight, order), expected) else None
     return None

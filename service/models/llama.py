@@ -515,8 +515,8 @@ class LlamaModel(nn.Module):
         self.lm_head_mkl: MKLPacked | None = None  # set by pack_weights_mkl
         self.lm_head_grid: Callable[..., torch.Tensor] | None = None  # as Linear.grid
         self.lm_head_grid_rows = 0
-        # Set by pack_weights_mkl where every GEMM weight lies on a quantisation grid that
-        # reproduces MKL's results: steps of a few tokens then run as one compiled call.
+        # Set by pack_weights_mkl where every GEMM weight lies on a quantisation grid whose
+        # GEMM can sum as MKL sums large ones: steps of a few tokens then run as one call.
         self.fused: Any = None  # kernels.cpu_step.FusedWeights
 
     def lm_head_weight(self) -> torch.Tensor:
