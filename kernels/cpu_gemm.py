@@ -21,8 +21,8 @@ threads (measured for SmolLM2's shapes): an Intel Xeon sums in ceil(K / 384) equ
 of fused steps at every row count; an AMD EPYC in parts of 192 (the last one shorter)
 of fused steps from 12 rows (from 4 on one thread), and calls of fewer rows, and on two
 threads the rows past the last whole four of calls of 5-11, in one chain of rounded
-products and rounded adds. The grid's GEMMs serve calls of up to GRID_MAX_ROWS rows,
-the library's the larger ones: `library_order` finds the order the library takes for
+products and rounded adds. The grid's GEMMs serve calls of up to `rows_faster` rows (at
+most GRID_MAX_ROWS), the library's the larger ones: `library_order` finds the order the library takes for
 those on this machine (emulating the candidates on a few outputs, then checking the
 compiled product on every output), and `gemm` sums every row in it. So a row comes out
 the same in every batch, whichever GEMM computes it, even where the library alone would
@@ -38,7 +38,8 @@ Layouts: 16 output columns form a tile (a vector of fp32 lanes).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,9 +71,14 @@ GRID_BLOCK = 32  # inputs sharing one scale (and offset), as in GGUF's Q4_1 and 
 MAX_ROWS = 8
 TILE_GROUP = 4  # tiles per group; kernels of more than WIDE_ROWS rows take half of it
 WIDE_ROWS = 5
-# Calls of up to this many rows (steps of up to this many tokens) take the grid's GEMMs.
-GRID_MAX_ROWS = 32
+# The most rows a call may take from the grid (`rows_faster` picks how many do on the
+# machine at hand), and the row counts it times.
+GRID_MAX_ROWS = 256
+TIMED_ROWS = (32, 64, 128, 256)
 AFFINE4, SCALED8 = "affine4", "scaled8"
+# Weights already rebuilt in fp32 (codes: fp32 [tiles, K, 16]): calls of more than MAX_ROWS
+# rows rebuild a tile group once into scratch and run every row over it.
+REBUILT = "rebuilt"
 
 
 @dataclass(frozen=True)
@@ -245,10 +251,11 @@ def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, scales: Any
     """The weights of one step of the inputs for one tile, rebuilt as
     fp32(d * q) + m, each operation rounded once (as the dequantisation rounded them):
     4-bit: w[0] and w[1] from the 16 bytes codes[at:] (inputs 2p and 2p + 1); 8-bit:
-    w[0] from codes[at:]. d, m: the 2 x 16 fp16 values scales[sat:]."""
+    w[0] from codes[at:]; rebuilt: w[0] is the 16 fp32 values codes[at:], as they are. d, m: the 2 x 16 fp16 values scales[sat:]."""
     if not isinstance(kind, types.StringLiteral):
         return None
     affine = kind.literal_value == AFFINE4
+    rebuilt = kind.literal_value == REBUILT
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         f32 = ir.VectorType(ir.FloatType(), LANES)
@@ -263,6 +270,11 @@ def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, scales: Any
             raw = builder.load(vector_at(4, offset, ir.IntType(16)), align=2)
             return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), LANES)), f32)
 
+        out = context.make_array(signature.args[0])(context, builder, args[0])
+        if rebuilt:
+            value = builder.load(vector_at(2, args[3], ir.FloatType()), align=4)
+            builder.store(value, builder.bitcast(out.data, f32.as_pointer()), align=4)
+            return context.get_dummy_value()
         d = half_lanes(args[5])
         m = half_lanes(builder.add(args[5], ir.Constant(args[5].type, LANES)))
         raw = builder.load(vector_at(2, args[3], ir.IntType(8)), align=1)
@@ -274,7 +286,6 @@ def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, scales: Any
             ]
         else:
             codes = [builder.sext(raw, i32)]
-        out = context.make_array(signature.args[0])(context, builder, args[0])
         for i, code in enumerate(codes):
             value = builder.fadd(
                 builder.fmul(builder.sitofp(code, f32), d, flags=EXACT), m, flags=EXACT
@@ -290,11 +301,12 @@ def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, scales: Any
 def gemm_kernel(
     kind: str, rows: int, in_features: int, ends: tuple[int, ...], fused: bool
 ) -> Callable[..., None]:
-    """gemm(x, r0, codes, scales, out, add, worker, workers): rows r0 .. r0 + rows - 1 of
-    x [M, K] times the grid weight, summed in the `SumOrder` (ends, fused), into the same
-    rows of out [M, tiles, 16] (add: out += the product, rounded once more, as `out += x
-    @ W.T` does). The worker does tile groups worker, worker + workers, ... of the
-    weight's tiles // `tiles_per_group(rows)`."""
+    """gemm(x, r0, codes, scales, out, first, tiles, add, worker, workers): rows r0 .. r0 +
+    rows - 1 of x [M, K] times the first `tiles` tiles of the weight (a grid, or REBUILT),
+    summed in the `SumOrder` (ends, fused), into the same rows of out [M, out tiles, 16]
+    from its tile `first` on (add: out += the product, rounded once more, as `out += x @
+    W.T` does). The worker does tile groups worker, worker + workers, ... of tiles //
+    `tiles_per_group(rows)`."""
     k, parts = in_features, len(ends)
     tb, steps = tiles_per_group(rows), 2 if kind == AFFINE4 else 1
     blocks = k // GRID_BLOCK
@@ -307,6 +319,8 @@ def gemm_kernel(
         codes: np.ndarray,
         scales: np.ndarray,
         out: np.ndarray,
+        first: int,
+        tiles: int,
         add: bool,
         worker: int,
         workers: int,
@@ -314,7 +328,7 @@ def gemm_kernel(
         total = stack_array((tb, rows, LANES))
         acc = stack_array((tb, rows, LANES))
         w = stack_array((tb, 2, LANES))
-        for group in range(worker, out.shape[1] // tb, workers):
+        for group in range(worker, tiles // tb, workers):
             t0 = group * tb
             for b in range(tb):
                 for r in range(rows):
@@ -346,9 +360,9 @@ def gemm_kernel(
             for b in range(tb):
                 for r in range(rows):
                     if add:
-                        lanes_add(out[r0 + r, t0 + b], total[b, r], LANES)
+                        lanes_add(out[r0 + r, first + t0 + b], total[b, r], LANES)
                     else:
-                        lanes_copy(out[r0 + r, t0 + b], total[b, r], LANES)
+                        lanes_copy(out[r0 + r, first + t0 + b], total[b, r], LANES)
 
     return gemm
 
@@ -362,10 +376,18 @@ def gemm_all_rows(
     kind: str, in_features: int, ends: tuple[int, ...], fused: bool
 ) -> Callable[..., None]:
     """gemm(x, codes, scales, out, add, worker, workers): `gemm_kernel`'s product for every
-    row of x, summed in the `SumOrder` (ends, fused), MAX_ROWS rows per pass over the
-    weight. Every worker takes part (each kernel's tile groups are split among them)."""
+    row of x, summed in the `SumOrder` (ends, fused). Up to MAX_ROWS rows take one pass
+    over the weight, rebuilding each weight in registers; more rows rebuild a group of
+    TILE_GROUP tiles at a time into scratch (fp32, in L2) and run MAX_ROWS rows at a time
+    over it, so the weight is read and rebuilt once whatever the rows. Every worker takes
+    part (each kernel's tile groups are split among them)."""
+    k, steps = in_features, 2 if kind == AFFINE4 else 1
+    blocks = k // GRID_BLOCK
     g1, g2, g3, g4, g5, g6, g7, g8 = (
-        gemm_kernel(kind, rows, in_features, ends, fused) for rows in range(1, MAX_ROWS + 1)
+        gemm_kernel(kind, rows, k, ends, fused) for rows in range(1, MAX_ROWS + 1)
+    )
+    r1, r2, r3, r4, r5, r6, r7, r8 = (
+        gemm_kernel(REBUILT, rows, k, ends, fused) for rows in range(1, MAX_ROWS + 1)
     )
 
     @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
@@ -378,24 +400,52 @@ def gemm_all_rows(
         worker: int,
         workers: int,
     ) -> None:
-        for r0 in range(0, x.shape[0], MAX_ROWS):
-            rows = min(MAX_ROWS, x.shape[0] - r0)
-            if rows == 8:
-                g8(x, r0, codes, scales, out, add, worker, workers)
-            elif rows == 7:
-                g7(x, r0, codes, scales, out, add, worker, workers)
-            elif rows == 6:
-                g6(x, r0, codes, scales, out, add, worker, workers)
-            elif rows == 5:
-                g5(x, r0, codes, scales, out, add, worker, workers)
-            elif rows == 4:
-                g4(x, r0, codes, scales, out, add, worker, workers)
-            elif rows == 3:
-                g3(x, r0, codes, scales, out, add, worker, workers)
-            elif rows == 2:
-                g2(x, r0, codes, scales, out, add, worker, workers)
-            else:
-                g1(x, r0, codes, scales, out, add, worker, workers)
+        m, tiles = x.shape[0], out.shape[1]
+        if m <= MAX_ROWS:
+            if m == 8:
+                g8(x, 0, codes, scales, out, 0, tiles, add, worker, workers)
+            elif m == 7:
+                g7(x, 0, codes, scales, out, 0, tiles, add, worker, workers)
+            elif m == 6:
+                g6(x, 0, codes, scales, out, 0, tiles, add, worker, workers)
+            elif m == 5:
+                g5(x, 0, codes, scales, out, 0, tiles, add, worker, workers)
+            elif m == 4:
+                g4(x, 0, codes, scales, out, 0, tiles, add, worker, workers)
+            elif m == 3:
+                g3(x, 0, codes, scales, out, 0, tiles, add, worker, workers)
+            elif m == 2:
+                g2(x, 0, codes, scales, out, 0, tiles, add, worker, workers)
+            elif m == 1:
+                g1(x, 0, codes, scales, out, 0, tiles, add, worker, workers)
+            return
+        w = stack_array((TILE_GROUP, k, LANES))
+        for group in range(worker, tiles // TILE_GROUP, workers):
+            t0 = group * TILE_GROUP
+            for i in range(0, k, steps):
+                for b in range(TILE_GROUP):
+                    t = t0 + b
+                    at = (t * k + i) * LANES // steps
+                    sat = (t * blocks + i // GRID_BLOCK) * 2 * LANES
+                    _dequant(w[b, i:], kind, codes, at, scales, sat)
+            for r0 in range(0, m, MAX_ROWS):
+                rows = min(MAX_ROWS, m - r0)
+                if rows == 8:
+                    r8(x, r0, w, scales, out, t0, TILE_GROUP, add, 0, 1)
+                elif rows == 7:
+                    r7(x, r0, w, scales, out, t0, TILE_GROUP, add, 0, 1)
+                elif rows == 6:
+                    r6(x, r0, w, scales, out, t0, TILE_GROUP, add, 0, 1)
+                elif rows == 5:
+                    r5(x, r0, w, scales, out, t0, TILE_GROUP, add, 0, 1)
+                elif rows == 4:
+                    r4(x, r0, w, scales, out, t0, TILE_GROUP, add, 0, 1)
+                elif rows == 3:
+                    r3(x, r0, w, scales, out, t0, TILE_GROUP, add, 0, 1)
+                elif rows == 2:
+                    r2(x, r0, w, scales, out, t0, TILE_GROUP, add, 0, 1)
+                else:
+                    r1(x, r0, w, scales, out, t0, TILE_GROUP, add, 0, 1)
 
     return gemm
 
@@ -451,6 +501,42 @@ def library_order(
                 order = SumOrder(ends, fused)
                 return order if torch.equal(grid_linear(x, weight, order), expected) else None
     return None
+
+
+def rows_faster(gemms: Sequence[tuple[GridWeight, SumOrder, Callable[..., Any]]]) -> int:
+    """The most rows, up to GRID_MAX_ROWS, at which these GEMMs (grid, order, the
+    library's x -> x @ W.T; a forward pass's, run one after another, so that the weights
+    come from memory as in a pass) take less time from the grid than from the library on
+    this machine and thread count: timed at TIMED_ROWS (each side twice, taking turns;
+    the faster of each), up to the first count where the library is faster. At least 16:
+    the grid's one pass over the weights for up to MAX_ROWS rows reads 5 or 9 bits a
+    weight where the library reads 32 (1.8-2.3x faster at 8-16 rows on either CPU).
+    Both give the same bits, so this decides speed only."""
+    generator = torch.Generator().manual_seed(0)
+    best = 16
+    for rows in TIMED_ROWS:
+        inputs = [torch.randn(rows, g.in_features, generator=generator) for g, _, _ in gemms]
+        grid = [
+            (functools.partial(grid_linear, weight=g, order=o), x)
+            for (g, o, _), x in zip(gemms, inputs, strict=True)
+        ]
+        library = [(f, x) for (_, _, f), x in zip(gemms, inputs, strict=True)]
+        grid_time = library_time = float("inf")
+        for _ in range(2):
+            grid_time = min(grid_time, _time(grid))
+            library_time = min(library_time, _time(library))
+        if grid_time > library_time:
+            break
+        best = rows
+    return best
+
+
+def _time(calls: list[tuple[Callable[[torch.Tensor], Any], torch.Tensor]]) -> float:
+    """Seconds the calls f(x) take, one after another."""
+    start = time.perf_counter()
+    for f, x in calls:
+        f(x)
+    return time.perf_counter() - start
 
 
 def _emulate(

@@ -31,15 +31,6 @@ import torch
 from pagedinfer.kernels import cpu_decode, cpu_gemm, cpu_layer, cpu_verify
 from pagedinfer.kernels.cpu_numba import Job, barrier, jit, run_jobs
 
-# The most new tokens a step may have to run here: its GEMMs have no more rows than the
-# grid serves (`cpu_gemm.GRID_MAX_ROWS`). The grid GEMMs lose to MKL's sgemm (blocked for
-# many rows) from about 16 rows (two passes of 8: 29.2 ms for SmolLM2's 30 layers against
-# 27.4), but the step as one call saves the Python and dispatch of some ten calls per
-# layer: measured on SmolLM2, 2 threads, contexts of 150-300 tokens, alternating with the
-# step layer by layer: 2.0x at 1 token, 1.5x at 12-16, 1.1-1.2x at 32, 1.06x at 48 and
-# 0.91x at 64.
-FUSED_MAX_TOKENS = cpu_gemm.GRID_MAX_ROWS
-
 
 @dataclass(frozen=True)
 class FusedWeights:
@@ -51,6 +42,9 @@ class FusedWeights:
     eps: float
     kinds: tuple[str, str, str, str, str]  # q/k/v, o, gate/up, down, LM head
     orders: tuple[cpu_gemm.SumOrder, ...]  # each GEMM's, as `cpu_gemm.library_order`
+    # The most new tokens a step may have here: its GEMMs must all take the grid, which
+    # serves calls of up to this many rows (`cpu_gemm.rows_faster`).
+    max_tokens: int
     codes: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
     scales: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
@@ -60,6 +54,7 @@ class FusedWeights:
         layers: Sequence[Sequence[cpu_gemm.GridWeight]],
         lm_head: cpu_gemm.GridWeight,
         orders: Sequence[cpu_gemm.SumOrder],
+        max_tokens: int,
         norms: np.ndarray,
         final_norm: np.ndarray,
         eps: float,
@@ -85,6 +80,7 @@ class FusedWeights:
             eps=float(eps),
             kinds=(*kinds, lm_head.kind),
             orders=tuple(orders),
+            max_tokens=max_tokens,
             codes=(*codes, lm_head.codes),
             scales=(*scales, lm_head.scales),
         )

@@ -577,10 +577,19 @@ class LlamaModel(nn.Module):
         libraries = [*(linear.mkl for linear in self.layers[0].linears()), self.lm_head_mkl]
         orders = []
         for grid, mkl in zip([*layers[0], lm_head], libraries, strict=True):
-            order = cpu_gemm.library_order(grid, lambda x, mkl=mkl: mkl_linear(x, mkl, None))
+            order = cpu_gemm.library_order(
+                grid, functools.partial(mkl_linear, weight=mkl, bias=None)
+            )
             if order is None:
                 return None
             orders.append(order)
+        rows = cpu_gemm.rows_faster(
+            [
+                (grid, order, functools.partial(mkl_linear, weight=linear.mkl, bias=None))
+                for layer, grids in zip(self.layers, layers, strict=True)
+                for linear, grid, order in zip(layer.linears(), grids, orders, strict=False)
+            ]
+        )
         norms = torch.stack(
             [
                 torch.stack((layer.input_layernorm.weight, layer.post_attention_layernorm.weight))
@@ -591,13 +600,13 @@ class LlamaModel(nn.Module):
             layers,
             lm_head,
             orders,
+            rows,
             norms.detach().numpy(),
             self.norm.weight.detach().numpy(),
             self.config.rms_norm_eps,
         )
         if fused is None:
             return None
-        rows = cpu_gemm.GRID_MAX_ROWS
         for i, layer in enumerate(self.layers):
             for position, (linear, grid) in enumerate(zip(layer.linears(), layers[i], strict=True)):
                 # A view of the stacked grid: the fused step's arrays serve both paths.
@@ -656,7 +665,7 @@ class LlamaModel(nn.Module):
 
         config = self.config
         tokens = hidden.shape[0]
-        if tokens > cpu_step.FUSED_MAX_TOKENS:
+        if tokens > self.fused.max_tokens:
             return None
         k_cache, v_cache = kv_caches[0]
         query = hidden.new_empty(tokens, config.num_heads, config.head_dim)

@@ -3,6 +3,8 @@ order the library sums in is found, and the products carry the library's bits.""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -136,6 +138,21 @@ def test_a_library_no_order_reproduces_gets_none() -> None:
     assert cpu_gemm.library_order(grid, pairwise_in_fp64) is None
 
 
+def test_the_grid_serves_as_many_rows_as_it_is_faster_at() -> None:
+    grid = cpu_gemm.to_grid(affine4_weight(64, 256, seed=6))
+    order = cpu_gemm.SumOrder((256,), True)
+
+    def slow_library(x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.02)
+        return cpu_gemm.grid_linear(x, grid, order)
+
+    def instant_library(x: torch.Tensor) -> None:
+        return None
+
+    assert cpu_gemm.rows_faster([(grid, order, slow_library)]) == cpu_gemm.GRID_MAX_ROWS
+    assert cpu_gemm.rows_faster([(grid, order, instant_library)]) == 16
+
+
 @needs_mkl
 def test_adding_into_out_rounds_as_an_inplace_add() -> None:
     weight = affine4_weight(576, 576, seed=2)
@@ -147,6 +164,12 @@ def test_adding_into_out_rounds_as_an_inplace_add() -> None:
     out = residual.clone()
     cpu_gemm.grid_linear(x[:3].contiguous(), grid, order, out, add=True)
     assert torch.equal(out, expected)
+    # More rows than one pass takes: the tiles rebuilt once, every row run over them.
+    residual = torch.randn(len(x), 576)
+    expected = residual.clone()
+    expected += mkl_linear(x, mkl, None)
+    cpu_gemm.grid_linear(x, grid, order, residual, add=True)
+    assert torch.equal(residual, expected)
 
 
 def test_an_input_of_the_wrong_shape_is_refused() -> None:

@@ -159,9 +159,9 @@ def test_a_row_comes_out_the_same_in_a_step_of_any_size(model: LlamaModel, threa
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        base = prefilled(model, [20, 5], room=cpu_step.FUSED_MAX_TOKENS + 16)
+        base = prefilled(model, [20, 5], room=model.fused.max_tokens + 16)
         decode = (0, [42], 20)
-        chunk = (1, list(range(100, 100 + cpu_step.FUSED_MAX_TOKENS + 8)), 5)
+        chunk = (1, [100 + i % 300 for i in range(model.fused.max_tokens + 8)], 5)
         alone = run(base.copy(), model, [decode], fused=True)
         crowded = run(base.copy(), model, [decode, chunk], fused=True)
         assert torch.equal(alone[0], crowded[0])
@@ -192,7 +192,7 @@ def test_larger_steps_run_layer_by_layer(
 
     monkeypatch.setattr(cpu_step, "fused_forward", refuse)
     per_seq = 4  # every sequence on the compiled attention kernels: only the size stops it
-    num_seqs = cpu_step.FUSED_MAX_TOKENS // per_seq + 1
+    num_seqs = model.fused.max_tokens // per_seq + 1
     cache = prefilled(model, [20] * num_seqs)
     run(cache, model, [(s, [1, 2, 3, 4], 20) for s in range(num_seqs)], fused=True)
     run(PagedCache(model.config, 1, 64), model, [(0, list(range(30)), 0)], fused=True)  # prefill
