@@ -1,4 +1,5 @@
-"""A whole forward pass of a few tokens on CPU in one compiled call (numba, fp32).
+"""A whole forward pass of up to a few hundred tokens on CPU in one compiled call (numba,
+fp32): every step whose GEMMs the grid serves (`FusedWeights.max_tokens`).
 
 A decode step of one to a few tokens spends most of its time outside arithmetic: the
 GEMMs read 538 MB of fp32 weights to do a few MFLOP each, and between them some ten
@@ -10,7 +11,8 @@ Here the step runs as one call on the worker threads:
 - attention runs the same compiled kernels as a step through Python (`cpu_decode`,
   `cpu_verify`), each worker a share of the sequences;
 - the small ops (`cpu_layer`'s RMSNorm, rotary and K/V write, SiLU) run on the first
-  worker, on a few rows;
+  worker (at 128 decodes the step still took 272 ms against 290 ms layer by layer on
+  the same grid GEMMs, on an AMD EPYC);
 - between phases the workers wait at a spinning barrier (microseconds), not for Python.
 
 Every operation is the one the step through Python does, in the same order, with the
