@@ -74,7 +74,7 @@ WIDE_ROWS = 5
 # The most rows a call may take from the grid (`rows_faster` picks how many do on the
 # machine at hand), and the row counts it times.
 GRID_MAX_ROWS = 256
-TIMED_ROWS = (32, 64, 128, 256)
+TIMED_ROWS = (16, 32, 64, 128, 256)
 AFFINE4, SCALED8 = "affine4", "scaled8"
 # Weights already rebuilt in fp32 (codes: fp32 [tiles, K, 16]): calls of more than MAX_ROWS
 # rows rebuild a tile group once into scratch and run every row over it.
@@ -508,12 +508,12 @@ def rows_faster(gemms: Sequence[tuple[GridWeight, SumOrder, Callable[..., Any]]]
     library's x -> x @ W.T; a forward pass's, run one after another, so that the weights
     come from memory as in a pass) take less time from the grid than from the library on
     this machine and thread count: timed at TIMED_ROWS (each side twice, taking turns;
-    the faster of each), up to the first count where the library is faster. At least 16:
-    the grid's one pass over the weights for up to MAX_ROWS rows reads 5 or 9 bits a
-    weight where the library reads 32 (1.8-2.3x faster at 8-16 rows on either CPU).
-    Both give the same bits, so this decides speed only."""
+    the faster of each), up to the first count where the library is faster. At least
+    MAX_ROWS: the grid's one pass over the weights reads 5 or 9 bits a weight where the
+    library reads 32 (at 8 rows 1.5x faster on an Intel Xeon, 2x on an AMD EPYC). Both
+    give the same bits, so this decides speed only."""
     generator = torch.Generator().manual_seed(0)
-    best = 16
+    best = MAX_ROWS
     for rows in TIMED_ROWS:
         inputs = [torch.randn(rows, g.in_features, generator=generator) for g, _, _ in gemms]
         grid = [
