@@ -383,12 +383,8 @@ def gemm_all_rows(
     part (each kernel's tile groups are split among them)."""
     k, steps = in_features, 2 if kind == AFFINE4 else 1
     blocks = k // GRID_BLOCK
-    g1, g2, g3, g4, g5, g6, g7, g8 = (
-        gemm_kernel(kind, rows, k, ends, fused) for rows in range(1, MAX_ROWS + 1)
-    )
-    r1, r2, r3, r4, r5, r6, r7, r8 = (
-        gemm_kernel(REBUILT, rows, k, ends, fused) for rows in range(1, MAX_ROWS + 1)
-    )
+    one_pass = _by_rows(kind, k, ends, fused)
+    over_scratch = _by_rows(REBUILT, k, ends, fused)
 
     @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
     def gemm(
@@ -402,22 +398,7 @@ def gemm_all_rows(
     ) -> None:
         m, tiles = x.shape[0], out.shape[1]
         if m <= MAX_ROWS:
-            if m == 8:
-                g8(x, 0, codes, scales, out, 0, tiles, add, worker, workers)
-            elif m == 7:
-                g7(x, 0, codes, scales, out, 0, tiles, add, worker, workers)
-            elif m == 6:
-                g6(x, 0, codes, scales, out, 0, tiles, add, worker, workers)
-            elif m == 5:
-                g5(x, 0, codes, scales, out, 0, tiles, add, worker, workers)
-            elif m == 4:
-                g4(x, 0, codes, scales, out, 0, tiles, add, worker, workers)
-            elif m == 3:
-                g3(x, 0, codes, scales, out, 0, tiles, add, worker, workers)
-            elif m == 2:
-                g2(x, 0, codes, scales, out, 0, tiles, add, worker, workers)
-            elif m == 1:
-                g1(x, 0, codes, scales, out, 0, tiles, add, worker, workers)
+            one_pass(m, x, 0, codes, scales, out, 0, tiles, add, worker, workers)
             return
         w = stack_array((TILE_GROUP, k, LANES))
         for group in range(worker, tiles // TILE_GROUP, workers):
@@ -430,24 +411,53 @@ def gemm_all_rows(
                     _dequant(w[b, i:], kind, codes, at, scales, sat)
             for r0 in range(0, m, MAX_ROWS):
                 rows = min(MAX_ROWS, m - r0)
-                if rows == 8:
-                    r8(x, r0, w, scales, out, t0, TILE_GROUP, add, 0, 1)
-                elif rows == 7:
-                    r7(x, r0, w, scales, out, t0, TILE_GROUP, add, 0, 1)
-                elif rows == 6:
-                    r6(x, r0, w, scales, out, t0, TILE_GROUP, add, 0, 1)
-                elif rows == 5:
-                    r5(x, r0, w, scales, out, t0, TILE_GROUP, add, 0, 1)
-                elif rows == 4:
-                    r4(x, r0, w, scales, out, t0, TILE_GROUP, add, 0, 1)
-                elif rows == 3:
-                    r3(x, r0, w, scales, out, t0, TILE_GROUP, add, 0, 1)
-                elif rows == 2:
-                    r2(x, r0, w, scales, out, t0, TILE_GROUP, add, 0, 1)
-                else:
-                    r1(x, r0, w, scales, out, t0, TILE_GROUP, add, 0, 1)
+                over_scratch(rows, x, r0, w, scales, out, t0, TILE_GROUP, add, 0, 1)
 
     return gemm
+
+
+@functools.cache
+def _by_rows(
+    kind: str, in_features: int, ends: tuple[int, ...], fused: bool
+) -> Callable[..., None]:
+    """run(rows, *args): `gemm_kernel`(kind, rows, ...)(*args) for 1 <= rows <= MAX_ROWS
+    (the kernel compiled for that many rows; nothing for other counts)."""
+    k1, k2, k3, k4, k5, k6, k7, k8 = (
+        gemm_kernel(kind, rows, in_features, ends, fused) for rows in range(1, MAX_ROWS + 1)
+    )
+
+    @jit(nogil=True, error_model="numpy")
+    def run(
+        rows: int,
+        x: np.ndarray,
+        r0: int,
+        codes: np.ndarray,
+        scales: np.ndarray,
+        out: np.ndarray,
+        first: int,
+        tiles: int,
+        add: bool,
+        worker: int,
+        workers: int,
+    ) -> None:
+        if rows == 8:
+            k8(x, r0, codes, scales, out, first, tiles, add, worker, workers)
+        elif rows == 7:
+            k7(x, r0, codes, scales, out, first, tiles, add, worker, workers)
+        elif rows == 6:
+            k6(x, r0, codes, scales, out, first, tiles, add, worker, workers)
+        elif rows == 5:
+            k5(x, r0, codes, scales, out, first, tiles, add, worker, workers)
+        elif rows == 4:
+            k4(x, r0, codes, scales, out, first, tiles, add, worker, workers)
+        elif rows == 3:
+            k3(x, r0, codes, scales, out, first, tiles, add, worker, workers)
+        elif rows == 2:
+            k2(x, r0, codes, scales, out, first, tiles, add, worker, workers)
+        elif rows == 1:
+            k1(x, r0, codes, scales, out, first, tiles, add, worker, workers)
+
+    return run
 
 
 def grid_linear(
