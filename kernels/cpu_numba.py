@@ -66,11 +66,19 @@ def jit(**options: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """numba.njit, cached on disk when some cache directory is writable (else in memory)."""
 
     def compile_lazily(function: Callable[..., Any]) -> Callable[..., Any]:
+        identity = _stable_identity(function)
+        if identity is not None:
+            # Each kernel a factory makes gets cache files of its own. numba keeps every
+            # variant of one function in one index, numbering their files as it saves
+            # them: processes compiling different variants at once (a test and the server
+            # it started) could give two variants one number, and a later process then
+            # loaded one variant's code for the other (a crash, seen in the tests).
+            function.__qualname__ = f"{function.__qualname__}.{identity[-16:]}"
         try:
             dispatcher = numba.njit(cache=True, **options)(function)
         except RuntimeError:  # numba found no writable cache directory (read-only root fs)
             return numba.njit(**options)(function)
-        _name(dispatcher, _stable_identity(function))
+        _name(dispatcher, identity)
         return dispatcher
 
     return compile_lazily

@@ -141,3 +141,18 @@ def test_kernels_made_by_factories_keep_one_disk_cache_key_across_processes() ->
     ]
     assert len(runs[0].split()) == 2
     assert runs[0] == runs[1]
+
+
+def test_kernels_made_by_one_factory_keep_cache_files_of_their_own() -> None:
+    """numba numbers the variants of one function in one index as it saves them; two
+    processes compiling different variants at once could give two of them one file, and a
+    later process ran one variant's code for the other. Each variant has its own files."""
+    from pagedinfer.kernels import cpu_gemm
+
+    kernels = [
+        cpu_gemm.gemm_kernel("affine4", rows, 256, ends, True)
+        for rows in (1, 2)
+        for ends in ((256,), (128, 256))
+    ]
+    names = {kernel._cache._cache_file._index_name for kernel in kernels}
+    assert len(names) == len(kernels)
