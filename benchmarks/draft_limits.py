@@ -26,6 +26,8 @@ Prints one JSON object; --out saves it too.
 
 from __future__ import annotations
 
+# First, before torch loads: the engine's OpenMP settings (`pagedinfer.service`).
+import pagedinfer.service  # noqa: F401  # isort: skip
 import argparse
 import json
 import os

@@ -14,6 +14,8 @@ Prints one JSON object keyed by system and saves a PNG plot.
 
 from __future__ import annotations
 
+# First, before torch loads: the engine's OpenMP settings (`pagedinfer.service`).
+import pagedinfer.service  # noqa: F401  # isort: skip
 import argparse
 import json
 import math
@@ -603,6 +605,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict] = {
         "machine": {
             "threads": torch.get_num_threads(),
+            # OpenMP's spin after each parallel region, for every system alike.
+            "openmp_spin": os.environ.get("OMP_WAIT_POLICY")
+            or os.environ.get("GOMP_SPINCOUNT", "default"),
             "dtype": args.dtype,
             "matmul_gflops": round(gflops, 1),
             "matmul_gflops_fp32": round(gflops_fp32, 1),

@@ -55,5 +55,6 @@ def configure_cpu_threads(num_threads: int | None, cgroup_root: Path = CGROUP_RO
             torch.set_num_threads(max(1, math.floor(limit)))
             reason = f"CPU quota of {limit:g}"
     threads = torch.get_num_threads()
-    log.info("CPU forward pass: %d threads (%s)", threads, reason)
+    spin = os.environ.get("OMP_WAIT_POLICY") or os.environ.get("GOMP_SPINCOUNT", "default")
+    log.info("CPU forward pass: %d threads (%s), OpenMP spin %s", threads, reason, spin)
     return threads

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from pagedinfer.service import OPENMP_SPIN_COUNT
 from pagedinfer.service.config import EngineConfig
 from pagedinfer.service.threads import cgroup_cpu_limit, configure_cpu_threads
 
@@ -78,3 +82,27 @@ def test_explicit_choices_win_over_the_quota(
 def test_bad_thread_counts_are_refused(bad: object) -> None:
     with pytest.raises(ValueError, match="num_threads must be a positive integer"):
         EngineConfig(num_threads=bad)  # type: ignore[arg-type]
+
+
+def spin_setting(env: dict[str, str], torch_first: bool = False) -> str:
+    """GOMP_SPINCOUNT as libgomp would read it in a fresh process that imports the
+    engine's package (after torch when torch_first)."""
+    code = "import os\n"
+    code += "import torch\n" if torch_first else ""
+    code += "import pagedinfer.service\nprint(os.environ.get('GOMP_SPINCOUNT', 'unset'))\n"
+    keep = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env={**keep, **env}, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_openmp_threads_spin_briefly_unless_the_operator_chose() -> None:
+    """OpenMP's threads must not hold a core long after torch's ops: the engine's own
+    kernel threads need it (pagedinfer.service sets libgomp's spin before torch loads)."""
+    assert spin_setting({}) == OPENMP_SPIN_COUNT
+    assert spin_setting({"GOMP_SPINCOUNT": "1000"}) == "1000"
+    assert spin_setting({"OMP_WAIT_POLICY": "ACTIVE"}) == "unset"
+    # Once torch is loaded libgomp has read its settings: nothing is set that would not hold.
+    assert spin_setting({}, torch_first=True) == "unset"
