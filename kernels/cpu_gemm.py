@@ -73,8 +73,11 @@ TILE_GROUP = 4  # tiles per group; kernels of more than WIDE_ROWS rows take half
 WIDE_ROWS = 5
 # The most rows a call may take from the grid (`rows_faster` picks how many do on the
 # machine at hand), and the row counts it times.
-GRID_MAX_ROWS = 256
-TIMED_ROWS = (16, 32, 64, 128, 256)
+GRID_MAX_ROWS = 512
+TIMED_ROWS = (16, 32, 64, 128, 256, 512)
+# Each count is timed over about the work of every GEMM given at this many rows: all of
+# them up to it, fewer past it (at 512 rows all of SmolLM2's layers took 2.3 s to time).
+TIMED_WORK_ROWS = 64
 AFFINE4, SCALED8 = "affine4", "scaled8"
 # Weights already rebuilt in fp32 (codes: fp32 [tiles, K, 16]): calls of more than MAX_ROWS
 # rows rebuild a tile group once into scratch and run every row over it.
@@ -521,16 +524,18 @@ def rows_faster(gemms: Sequence[tuple[GridWeight, SumOrder, Callable[..., Any]]]
     the faster of each), up to the first count where the library is faster. At least
     MAX_ROWS: the grid's one pass over the weights reads 5 or 9 bits a weight where the
     library reads 32 (at 8 rows 1.5x faster on an Intel Xeon, 2x on an AMD EPYC). Both
-    give the same bits, so this decides speed only."""
+    give the same bits, so this decides speed only. Past TIMED_WORK_ROWS rows only the
+    first GEMMs are timed, as many as make up the work of all of them at that count."""
     generator = torch.Generator().manual_seed(0)
     best = MAX_ROWS
     for rows in TIMED_ROWS:
-        inputs = [torch.randn(rows, g.in_features, generator=generator) for g, _, _ in gemms]
+        timed = gemms[: max(1, len(gemms) * min(rows, TIMED_WORK_ROWS) // rows)]
+        inputs = [torch.randn(rows, g.in_features, generator=generator) for g, _, _ in timed]
         grid = [
             (functools.partial(grid_linear, weight=g, order=o), x)
-            for (g, o, _), x in zip(gemms, inputs, strict=True)
+            for (g, o, _), x in zip(timed, inputs, strict=True)
         ]
-        library = [(f, x) for (_, _, f), x in zip(gemms, inputs, strict=True)]
+        library = [(f, x) for (_, _, f), x in zip(timed, inputs, strict=True)]
         grid_time = library_time = float("inf")
         for _ in range(2):
             grid_time = min(grid_time, _time(grid))
