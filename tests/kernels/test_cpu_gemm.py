@@ -153,6 +153,28 @@ def test_the_grid_serves_as_many_rows_as_it_is_faster_at() -> None:
     assert cpu_gemm.rows_faster([(grid, order, instant_library)]) == cpu_gemm.MAX_ROWS
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_every_row_and_output_is_summed_once_however_the_workers_share_them(threads) -> None:
+    """Nine tile groups: past SPLIT_ROWS rows the groups left over are shared among the
+    workers by rows. Every output is x @ W.T in the order, added once into out."""
+    weight = affine4_weight(576, 256, seed=7)
+    grid = cpu_gemm.to_grid(weight)
+    order = cpu_gemm.SumOrder((128, 256), True)
+    generator = torch.Generator().manual_seed(2)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (cpu_gemm.SPLIT_ROWS - 1, cpu_gemm.SPLIT_ROWS, cpu_gemm.SPLIT_ROWS + 13):
+            x = torch.randn(rows, 256, generator=generator)
+            expected = cpu_gemm._emulate(weight.numpy(), x.numpy(), [order.ends], order.fused)[0]
+            assert np.array_equal(cpu_gemm.grid_linear(x, grid, order).numpy(), expected), rows
+            out = torch.ones(rows, 576)
+            cpu_gemm.grid_linear(x, grid, order, out, add=True)
+            assert torch.equal(out, torch.from_numpy(expected) + 1), rows
+    finally:
+        torch.set_num_threads(previous)
+
+
 @needs_mkl
 def test_adding_into_out_rounds_as_an_inplace_add() -> None:
     weight = affine4_weight(576, 576, seed=2)
