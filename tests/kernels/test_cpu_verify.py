@@ -135,6 +135,28 @@ def test_drafts_of_every_length_match_the_reference_through_the_default_plan(
     batch.assert_matches_reference(torch_ops.paged_attention(*batch.args(), plan=plan))
 
 
+def test_prompts_of_any_length_take_the_compiled_kernels_through_the_default_plan(
+    make_batch: Callable,
+) -> None:
+    # Fresh prompts, a chunk after a long context, and a decode: no SDPA group is left.
+    query_lens = [MAX_QUERY + 1, 40, 97, 130, 1]
+    seq_lens = [MAX_QUERY + 1, 40, 97, 130 + 300, 77]
+    batch = make_batch(seq_lens, query_lens, num_heads=9, num_kv_heads=3, seed=11)
+    plan = torch_ops.plan_for(
+        batch.query,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+    )
+    assert plan.groups == []
+    in_runs = int(plan.runs.counts.sum())
+    assert in_runs + len(plan.decodes.query_rows) == sum(query_lens)
+    assert in_runs == int(torch_ops._tokens_in_runs(torch.tensor(query_lens), 5).sum())
+    batch.assert_matches_reference(torch_ops.paged_attention(*batch.args(), plan=plan))
+
+
 @SHAPES
 def test_mixed_decodes_and_drafts_match_the_reference_at_every_shape(
     make_batch: Callable, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int

@@ -62,7 +62,7 @@ def grid_model(seed: int = 0, pack: bool = True, attention_bias: bool = False) -
         rope_scaling=None,
         tie_word_embeddings=True,
         attention_bias=attention_bias,
-        max_position_embeddings=512,
+        max_position_embeddings=1024,  # room for a step past the grid's 512 rows
     )
     rng = np.random.default_rng(seed)
     model = LlamaModel(config).eval()
@@ -169,14 +169,18 @@ def test_a_row_comes_out_the_same_in_a_step_of_any_size(model: LlamaModel, threa
         torch.set_num_threads(previous)
 
 
-def test_a_short_prompt_is_prefilled_in_one_fused_call(
-    model: LlamaModel, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("length", [6, 90])
+def test_a_prompt_is_prefilled_in_one_fused_call(
+    model: LlamaModel, monkeypatch: pytest.MonkeyPatch, length: int
 ) -> None:
+    """Prompt tokens take the compiled attention kernels (runs of the verify kernel), so a
+    prompt step takes the fused step whatever the prompt's length."""
     calls = []
     real = cpu_step.fused_forward
     monkeypatch.setattr(cpu_step, "fused_forward", lambda *a: calls.append(1) or real(*a))
-    fused_cache, layered_cache = PagedCache(model.config, 1, 32), PagedCache(model.config, 1, 32)
-    prompt = [(0, [7, 8, 9, 10, 11, 12], 0)]
+    room = length + 16
+    fused_cache, layered_cache = (PagedCache(model.config, 1, room) for _ in range(2))
+    prompt = [(0, [7 + i % 50 for i in range(length)], 0)]
     assert torch.equal(
         run(fused_cache, model, prompt, fused=True), run(layered_cache, model, prompt, fused=False)
     )
@@ -195,7 +199,6 @@ def test_larger_steps_run_layer_by_layer(
     num_seqs = model.fused.max_tokens // per_seq + 1
     cache = prefilled(model, [20] * num_seqs)
     run(cache, model, [(s, [1, 2, 3, 4], 20) for s in range(num_seqs)], fused=True)
-    run(PagedCache(model.config, 1, 64), model, [(0, list(range(30)), 0)], fused=True)  # prefill
 
 
 def test_a_slot_outside_the_cache_is_refused_by_name(model: LlamaModel) -> None:
