@@ -10,9 +10,8 @@ Here the step runs as one call on the worker threads:
   of 538 for SmolLM2), each worker a share of the output tiles;
 - attention runs the same compiled kernels as a step through Python (`cpu_decode`,
   `cpu_verify`), each worker a share of the sequences;
-- the small ops (`cpu_layer`'s RMSNorm, rotary and K/V write, SiLU) run on the first
-  worker (at 128 decodes the step still took 272 ms against 290 ms layer by layer on
-  the same grid GEMMs, on an AMD EPYC);
+- the small ops (`cpu_layer`'s RMSNorm, rotary and K/V write, SiLU) work row by row,
+  each worker on a share of the rows;
 - between phases the workers wait at a spinning barrier (microseconds), not for Python.
 
 Every operation is the one the step through Python does, in the same order, with the
@@ -267,26 +266,26 @@ def _kernel(
         attn_rows = attn_out.reshape(tokens, nh * d)
         logits_out = logits.reshape(rows.shape[0], vocab_tiles, lanes)
         passed = 0
+        # Each worker's share of the rows for the ops that work row by row.
+        lo, hi = tokens * worker // workers, tokens * (worker + 1) // workers
         for layer in range(num_layers):
             k_cache, v_cache = k_caches[layer], v_caches[layer]
-            if worker == 0:
-                rms_norm(hidden, norms[layer, 0], eps, normed)
+            rms_norm(hidden[lo:hi], norms[layer, 0], eps, normed[lo:hi])
             passed = barrier(sync, workers, passed)
             qkv_gemm(normed, qkv_codes[layer], qkv_scales[layer], qkv_out, False, worker, workers)
             passed = barrier(sync, workers, passed)
-            if worker == 0:
-                cache_rows = k_cache.shape[0] * k_cache.shape[1]
-                bad = rope_write_kv(
-                    qkv,
-                    cos_sin,
-                    slots,
-                    k_cache.reshape(cache_rows, slots_per_layer),
-                    v_cache.reshape(cache_rows, slots_per_layer),
-                    nh,
-                    nkv,
-                )
-                if bad >= 0 and sync[1] == 0:
-                    sync[1] = bad + 1
+            cache_rows = k_cache.shape[0] * k_cache.shape[1]
+            bad = rope_write_kv(
+                qkv[lo:hi],
+                cos_sin[lo:hi],
+                slots[lo:hi],
+                k_cache.reshape(cache_rows, slots_per_layer),
+                v_cache.reshape(cache_rows, slots_per_layer),
+                nh,
+                nkv,
+            )
+            if bad >= 0 and sync[1] == 0:
+                sync[1] = lo + bad + 1  # a bad token (the workers' own first ones race)
             passed = barrier(sync, workers, passed)
             if sync[1] != 0:
                 return
@@ -309,8 +308,7 @@ def _kernel(
             passed = barrier(sync, workers, passed)
             o_gemm(attn_rows, o_codes[layer], o_scales[layer], hidden_out, True, worker, workers)
             passed = barrier(sync, workers, passed)
-            if worker == 0:
-                rms_norm(hidden, norms[layer, 1], eps, normed)
+            rms_norm(hidden[lo:hi], norms[layer, 1], eps, normed[lo:hi])
             passed = barrier(sync, workers, passed)
             gate_up_gemm(
                 normed,
@@ -322,8 +320,7 @@ def _kernel(
                 workers,
             )
             passed = barrier(sync, workers, passed)
-            if worker == 0:
-                silu_mul(gate_up, act)
+            silu_mul(gate_up[lo:hi], act[lo:hi])
             passed = barrier(sync, workers, passed)
             down_gemm(act, down_codes[layer], down_scales[layer], hidden_out, True, worker, workers)
             passed = barrier(sync, workers, passed)
