@@ -1,6 +1,7 @@
 """Paged-attention ops: Triton kernels on GPU, a vectorised torch path on CPU (whose fp32
-decodes run in numba-compiled kernels where numba is installed: `cpu_decode`, and
-`cpu_verify` for the tokens of a decode verifying a draft).
+new tokens run in numba-compiled kernels where numba is installed: `cpu_decode`, and
+`cpu_verify` for runs of new tokens of one sequence: a draft and the decode it
+verifies, or a prompt).
 `cpu_layer` holds the other compiled CPU kernels: the small ops between a layer's GEMMs,
 which the model calls directly.
 

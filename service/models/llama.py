@@ -659,8 +659,8 @@ class LlamaModel(nn.Module):
         logits_indices: torch.Tensor,
     ) -> torch.Tensor | None:
         """The step as one compiled call (`kernels.cpu_step`), where it serves the batch:
-        a few new tokens, every sequence's on the compiled attention kernels, caches
-        the kernels take. None: the step runs layer by layer."""
+        up to `FusedWeights.max_tokens` new tokens, every sequence's on the compiled
+        attention kernels, caches the kernels take. None: the step runs layer by layer."""
         from pagedinfer.kernels import cpu_decode, cpu_step  # import numba
 
         config = self.config
