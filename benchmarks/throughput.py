@@ -34,6 +34,7 @@ from pagedinfer.service.config import EngineConfig
 from pagedinfer.service.engine import LLMEngine
 from pagedinfer.service.loader import load_model
 from pagedinfer.service.sampling_params import SamplingParams
+from pagedinfer.service.threads import openmp_spin
 
 SYSTEMS = ("paged", "paged_spec", "contiguous", "hf_static", "hf_continuous")
 
@@ -606,8 +607,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {
             "threads": torch.get_num_threads(),
             # OpenMP's spin after each parallel region, for every system alike.
-            "openmp_spin": os.environ.get("OMP_WAIT_POLICY")
-            or os.environ.get("GOMP_SPINCOUNT", "default"),
+            "openmp_spin": openmp_spin(),
             "dtype": args.dtype,
             "matmul_gflops": round(gflops, 1),
             "matmul_gflops_fp32": round(gflops_fp32, 1),

@@ -55,6 +55,12 @@ def configure_cpu_threads(num_threads: int | None, cgroup_root: Path = CGROUP_RO
             torch.set_num_threads(max(1, math.floor(limit)))
             reason = f"CPU quota of {limit:g}"
     threads = torch.get_num_threads()
-    spin = os.environ.get("OMP_WAIT_POLICY") or os.environ.get("GOMP_SPINCOUNT", "default")
-    log.info("CPU forward pass: %d threads (%s), OpenMP spin %s", threads, reason, spin)
+    log.info("CPU forward pass: %d threads (%s), OpenMP spin %s", threads, reason, openmp_spin())
     return threads
+
+
+def openmp_spin() -> str:
+    """How OpenMP's threads wait after a parallel region, as libgomp was told (see
+    `pagedinfer.service`): GOMP_SPINCOUNT (which libgomp takes over the policy), else
+    OMP_WAIT_POLICY, else "default" (300,000 spins)."""
+    return os.environ.get("GOMP_SPINCOUNT") or os.environ.get("OMP_WAIT_POLICY", "default")

@@ -13,7 +13,7 @@ import torch
 
 from pagedinfer.service import OPENMP_SPIN_COUNT
 from pagedinfer.service.config import EngineConfig
-from pagedinfer.service.threads import cgroup_cpu_limit, configure_cpu_threads
+from pagedinfer.service.threads import cgroup_cpu_limit, configure_cpu_threads, openmp_spin
 
 
 @pytest.fixture(autouse=True)
@@ -106,3 +106,13 @@ def test_openmp_threads_spin_briefly_unless_the_operator_chose() -> None:
     assert spin_setting({"OMP_WAIT_POLICY": "ACTIVE"}) == "unset"
     # Once torch is loaded libgomp has read its settings: nothing is set that would not hold.
     assert spin_setting({}, torch_first=True) == "unset"
+
+
+def test_the_spin_reported_is_the_setting_libgomp_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert openmp_spin() == "default"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert openmp_spin() == "PASSIVE"
+    monkeypatch.setenv("GOMP_SPINCOUNT", "30000")  # libgomp takes the count over the policy
+    assert openmp_spin() == "30000"
