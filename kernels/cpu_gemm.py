@@ -77,8 +77,9 @@ GRID_MAX_ROWS = 512
 TIMED_ROWS = (16, 32, 64, 128, 256, 512)
 # From this many rows a GEMM's tile groups that do not divide evenly among the workers are
 # split by rows (SmolLM2's o and down GEMMs have 9 groups: on 2 workers 5 against 4). On
-# an AMD EPYC, 2 workers: 11-12% faster at 512 rows, 3-8% at 160, and 5-6% slower at 64
-# (the first worker starts before the others, and the extra group made up for it).
+# an AMD EPYC, 2 workers, those GEMMs ran 7-12% faster at 512 rows and 3-8% at 160, but
+# 5-6% slower at 64 (likely because the first worker starts before the others, which the
+# extra group made up for).
 SPLIT_ROWS = 128
 # Each count is timed over about the work of every GEMM given at this many rows: all of
 # them up to it, fewer past it (at 512 rows all of SmolLM2's layers took 2.3 s to time).
