@@ -69,6 +69,18 @@ def run_kernel(batch, run_length: int, out: torch.Tensor | None = None) -> torch
     return out
 
 
+def default_plan(batch) -> torch_ops.AttentionPlan:
+    """The plan `paged_attention` makes for the batch by default."""
+    return torch_ops.plan_for(
+        batch.query,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+    )
+
+
 def shape_kwargs(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> dict:
     return {
         "num_heads": num_heads,
@@ -121,14 +133,7 @@ def test_drafts_of_every_length_match_the_reference_through_the_default_plan(
     batch = make_batch(
         seq_lens, [num_new] * len(seq_lens), num_heads=9, num_kv_heads=3, seed=num_new
     )
-    plan = torch_ops.plan_for(
-        batch.query,
-        batch.k_cache,
-        batch.v_cache,
-        batch.block_tables,
-        batch.seq_lens,
-        batch.query_start_loc,
-    )
+    plan = default_plan(batch)
     assert plan.groups == []  # every new token went to a compiled kernel
     in_runs = 0 if plan.runs is None else int(plan.runs.counts.sum())
     assert in_runs == len(seq_lens) * int(torch_ops._tokens_in_runs(torch.tensor([num_new]), 5))
@@ -142,14 +147,7 @@ def test_prompts_of_any_length_take_the_compiled_kernels_through_the_default_pla
     query_lens = [MAX_QUERY + 1, 40, 97, 130, 1]
     seq_lens = [MAX_QUERY + 1, 40, 97, 130 + 300, 77]
     batch = make_batch(seq_lens, query_lens, num_heads=9, num_kv_heads=3, seed=11)
-    plan = torch_ops.plan_for(
-        batch.query,
-        batch.k_cache,
-        batch.v_cache,
-        batch.block_tables,
-        batch.seq_lens,
-        batch.query_start_loc,
-    )
+    plan = default_plan(batch)
     assert plan.groups == []
     in_runs = int(plan.runs.counts.sum())
     assert in_runs + len(plan.decodes.query_rows) == sum(query_lens)
