@@ -446,35 +446,24 @@ def _by_rows(
     )
 
     @jit(nogil=True, error_model="numpy")
-    def run(
-        rows: int,
-        x: np.ndarray,
-        r0: int,
-        codes: np.ndarray,
-        scales: np.ndarray,
-        out: np.ndarray,
-        first: int,
-        tiles: int,
-        add: bool,
-        worker: int,
-        workers: int,
-    ) -> None:
+    def run(rows: int, *args: Any) -> None:
+        # args: (x, r0, codes, scales, out, first, tiles, add, worker, workers)
         if rows == 8:
-            k8(x, r0, codes, scales, out, first, tiles, add, worker, workers)
+            k8(*args)
         elif rows == 7:
-            k7(x, r0, codes, scales, out, first, tiles, add, worker, workers)
+            k7(*args)
         elif rows == 6:
-            k6(x, r0, codes, scales, out, first, tiles, add, worker, workers)
+            k6(*args)
         elif rows == 5:
-            k5(x, r0, codes, scales, out, first, tiles, add, worker, workers)
+            k5(*args)
         elif rows == 4:
-            k4(x, r0, codes, scales, out, first, tiles, add, worker, workers)
+            k4(*args)
         elif rows == 3:
-            k3(x, r0, codes, scales, out, first, tiles, add, worker, workers)
+            k3(*args)
         elif rows == 2:
-            k2(x, r0, codes, scales, out, first, tiles, add, worker, workers)
+            k2(*args)
         elif rows == 1:
-            k1(x, r0, codes, scales, out, first, tiles, add, worker, workers)
+            k1(*args)
 
     return run
 
