@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedinfer.kernels import cpu_decode, cpu_gemm, cpu_layer, cpu_verify
+from pagedinfer.kernels import cpu_argmax, cpu_decode, cpu_gemm, cpu_layer, cpu_verify
 from pagedinfer.kernels.cpu_numba import Job, barrier, jit, run_jobs
 
 
@@ -48,6 +48,9 @@ class FusedWeights:
     max_tokens: int
     codes: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
     scales: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+    # The LM head as `cpu_argmax` picks greedy rows' tokens from it; None: every row's
+    # logits are computed.
+    argmax: cpu_argmax.ArgmaxWeights | None = None
 
     @classmethod
     def stack(
@@ -59,6 +62,7 @@ class FusedWeights:
         norms: np.ndarray,
         final_norm: np.ndarray,
         eps: float,
+        argmax: cpu_argmax.ArgmaxWeights | None = None,
     ) -> FusedWeights | None:
         """From each layer's four grids (q/k/v, o, gate/up, down) and the library's order
         for each GEMM (the four and the LM head); None where one GEMM's grids differ in
@@ -84,6 +88,7 @@ class FusedWeights:
             max_tokens=max_tokens,
             codes=(*codes, lm_head.codes),
             scales=(*scales, lm_head.scales),
+            argmax=argmax,
         )
 
     @property
@@ -116,11 +121,15 @@ def fused_forward(
     plan: Any,
     logits_indices: torch.Tensor,
     scale: float,
-) -> torch.Tensor:
+    greedy: np.ndarray | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every layer over the new tokens' hidden states [T, hidden] (the embeddings; updated
     in place), then the final norm and LM head of rows logits_indices: fp32 logits
-    [S, vocab]. plan: the batch's `torch_ops.AttentionPlan` with compiled decodes and no
-    padded groups. Raises ValueError for a slot past the cache's end."""
+    [S, vocab], and with `greedy` (bool [S]: rows whose only use is their argmax) the
+    argmax tokens int64 [S] that `cpu_argmax` picked for those rows (-1 for every other
+    row), whose logits are then not computed. plan: the batch's
+    `torch_ops.AttentionPlan` with compiled decodes and no padded groups. Raises
+    ValueError for a slot past the cache's end."""
     tokens = hidden.shape[0]
     qkv_width = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
     q_width = shape.num_heads * shape.head_dim
@@ -128,7 +137,21 @@ def fused_forward(
     query = qkv[:, :q_width].view(tokens, shape.num_heads, shape.head_dim)
     attn_out = torch.empty(tokens, shape.num_heads, shape.head_dim)
     rows = logits_indices.numpy()
-    logits = torch.empty(rows.shape[0], shape.vocab)
+    picking = np.zeros(rows.shape[0], dtype=bool)
+    if weights.argmax is not None and greedy is not None:
+        picking = np.asarray(greedy, dtype=bool)
+    full_rows, argmax_rows = rows[~picking], rows[picking]
+    full_logits = torch.empty(full_rows.shape[0], shape.vocab)
+    argmax_normed = np.empty((argmax_rows.shape[0], shape.hidden), np.float32)
+    picked = np.empty(argmax_rows.shape[0], np.int64)
+    workers = torch.get_num_threads()
+    if weights.argmax is not None:
+        argmax_args = (
+            *cpu_argmax.weights_args(weights.argmax),
+            *weights.argmax.pool.get(argmax_rows.shape[0], workers).args(),
+        )
+    else:
+        argmax_args = cpu_argmax.no_args()
     sync = np.zeros(2, dtype=np.int64)  # arrivals at barriers; a bad slot's token + 1
     decodes, runs = plan.decodes, plan.runs
     empty_rows, empty_table = np.zeros(0, np.int64), np.zeros((0, 1), np.int32)
@@ -168,21 +191,43 @@ def fused_forward(
         attn_out.numpy(),
         np.empty((tokens, 2 * shape.intermediate), np.float32),  # gate | up
         np.empty((tokens, shape.intermediate), np.float32),  # silu(gate) * up
-        rows,
-        np.empty((rows.shape[0], shape.hidden), np.float32),  # the sampled rows
-        np.empty((rows.shape[0], shape.hidden), np.float32),  # ... normed
-        logits.numpy(),
+        full_rows,
+        np.empty((full_rows.shape[0], shape.hidden), np.float32),  # the rows for logits
+        np.empty((full_rows.shape[0], shape.hidden), np.float32),  # ... normed
+        full_logits.numpy(),
+        argmax_rows,
+        np.empty((argmax_rows.shape[0], shape.hidden), np.float32),  # the greedy rows
+        argmax_normed,
+        *argmax_args,
+        picked,
         sync,
     )
     step = _kernel(shape, weights.kinds, weights.orders, len(kv_caches))
-    run_jobs([Job(step, args, torch.get_num_threads())])
+    run_jobs([Job(step, args, workers)])
     if sync[1]:
         token = int(sync[1]) - 1
         raise ValueError(
             f"slot_mapping: slot {int(slot_mapping[token])} of token {token} is outside the "
             f"cache's {kv_caches[0][0].shape[0] * kv_caches[0][0].shape[1]} slots"
         )
-    return logits
+    if not picking.any():
+        return full_logits, None
+    positions = np.flatnonzero(~picking)  # of full_logits' rows among the S rows
+    argmax = np.full(rows.shape[0], -1, dtype=np.int64)
+    argmax[picking] = picked
+    # A greedy row that `cpu_argmax` could not pick (-1) gets its logits after all.
+    missed = picked < 0
+    if missed.any():
+        assert weights.argmax is not None
+        late = cpu_gemm.grid_linear(
+            torch.from_numpy(argmax_normed[missed]), weights.argmax.grid, weights.argmax.order
+        )
+        full_logits = torch.cat((full_logits, late))
+        positions = np.concatenate((positions, np.flatnonzero(picking)[missed]))
+    logits = torch.empty(rows.shape[0], shape.vocab)  # picked rows' stay unwritten
+    if positions.shape[0]:
+        logits[torch.from_numpy(positions)] = full_logits
+    return logits, torch.from_numpy(argmax)
 
 
 @functools.cache
@@ -209,6 +254,7 @@ def _kernel(
     gate_up_gemm = gemm(2, shape.hidden)
     down_gemm = gemm(3, shape.intermediate)
     lm_gemm = gemm(4, shape.hidden)
+    quantize, approximate, pick = cpu_argmax.phase_kernels(shape.hidden, orders[4])
     decode = cpu_decode._kernel(shape.block_size, nh, nkv, d)
     verify = cpu_verify._kernel(shape.block_size, nh, nkv, d)
     rms_norm, rope_write_kv, silu_mul = (
@@ -255,6 +301,28 @@ def _kernel(
         picked: np.ndarray,
         picked_normed: np.ndarray,
         logits: np.ndarray,
+        argmax_rows: np.ndarray,
+        argmax_picked: np.ndarray,
+        argmax_normed: np.ndarray,
+        argmax_codes: np.ndarray,
+        argmax_offsets: np.ndarray,
+        argmax_scales: np.ndarray,
+        argmax_bounds: np.ndarray,
+        argmax_bounds_max: np.ndarray,
+        argmax_norm_max: np.float32,
+        argmax_grid_codes: np.ndarray,
+        argmax_grid_scales: np.ndarray,
+        row_codes: np.ndarray,
+        row_words: np.ndarray,
+        row_scales: np.ndarray,
+        row_errors: np.ndarray,
+        row_margins: np.ndarray,
+        approx: np.ndarray,
+        maxima: np.ndarray,
+        found: np.ndarray,
+        found_bounds: np.ndarray,
+        exact: np.ndarray,
+        tokens_out: np.ndarray,
         sync: np.ndarray,
         worker: int,
         workers: int,
@@ -328,7 +396,52 @@ def _kernel(
             for i in range(rows.shape[0]):
                 picked[i] = hidden[rows[i]]
             rms_norm(picked, final_norm, eps, picked_normed)
+            for i in range(argmax_rows.shape[0]):
+                argmax_picked[i] = hidden[argmax_rows[i]]
+            rms_norm(argmax_picked, final_norm, eps, argmax_normed)
         passed = barrier(sync, workers, passed)
-        lm_gemm(picked_normed, lm_codes, lm_scales, logits_out, False, worker, workers)
+        if rows.shape[0]:
+            lm_gemm(picked_normed, lm_codes, lm_scales, logits_out, False, worker, workers)
+        if argmax_rows.shape[0]:
+            quantize(
+                argmax_normed,
+                argmax_norm_max,
+                row_codes,
+                row_scales,
+                row_errors,
+                row_margins,
+                worker,
+                workers,
+            )
+            passed = barrier(sync, workers, passed)
+            approximate(
+                row_words,
+                row_scales,
+                argmax_codes,
+                argmax_offsets,
+                argmax_scales,
+                approx,
+                maxima[worker],
+                worker,
+                workers,
+            )
+            passed = barrier(sync, workers, passed)
+            pick(
+                argmax_normed,
+                approx,
+                maxima,
+                row_errors,
+                row_margins,
+                argmax_bounds,
+                argmax_bounds_max,
+                argmax_grid_codes,
+                argmax_grid_scales,
+                found[worker],
+                found_bounds[worker],
+                exact[worker],
+                tokens_out,
+                worker,
+                workers,
+            )
 
     return step

@@ -318,11 +318,13 @@ class LLMEngine:
                     )
                     owners.append((first_row + j, req, group, index))
             first_row += num_rows
-        logits = model_out.logits
+        logits, tokens = model_out.logits, model_out.tokens
         if len(owners) != logits.shape[0]:  # forking rows are sampled n times
-            logits = logits[[i for i, *_ in owners]]
+            index = [i for i, *_ in owners]
+            logits = logits[index]
+            tokens = None if tokens is None else tokens[index]
         states = self._generator_states(model_out)
-        results = self.sampler(logits, rows)
+        results = self.sampler(logits, rows, tokens)
 
         # Per sample: its tokens (a draft's kept tokens and one more) and their results.
         picked: dict[tuple[str, int], tuple[Request, _Group, list[SampleResult]]] = {}

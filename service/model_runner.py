@@ -17,6 +17,7 @@ from pagedinfer.service.config import EngineConfig
 from pagedinfer.service.loader import LoadedModel
 from pagedinfer.service.models.llama import AttentionMetadata
 from pagedinfer.service.request import Request
+from pagedinfer.service.sampler import argmax_only
 from pagedinfer.service.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,9 @@ class ModelOutput:
     logits: torch.Tensor  # [sum(num_rows), vocab] fp32, on the CPU
     requests: list[Request]
     num_rows: list[int]  # logits rows of each request
+    # int64 [sum(num_rows)] or None: the argmax of a row that only needs it, picked
+    # without its logits (whose row is then unwritten); -1 for every other row.
+    tokens: torch.Tensor | None = None
 
 
 def kv_block_bytes(loaded: LoadedModel, block_size: int, dtype: torch.dtype) -> int:
@@ -100,14 +104,20 @@ class ModelRunner:
         if not out.scheduled:
             return ModelOutput(torch.empty(0, 0), [], [])
         inputs = self._prepare(out)
-        logits = self.model(
+        logits, tokens = self.model(
             inputs.input_ids,
             inputs.positions,
             self.kv_caches,
             inputs.attn,
             inputs.logits_indices,
+            inputs.greedy,
         )
-        return ModelOutput(logits.float().cpu(), inputs.sample_requests, inputs.num_rows)
+        return ModelOutput(
+            logits.float().cpu(),
+            inputs.sample_requests,
+            inputs.num_rows,
+            None if tokens is None else tokens.cpu(),
+        )
 
     def _prepare(self, out: SchedulerOutput) -> _Inputs:
         B = self.block_size
@@ -115,6 +125,7 @@ class ModelRunner:
         logits_indices: list[int] = []
         sample_requests: list[Request] = []
         num_rows: list[int] = []
+        greedy: list[bool] = []  # per logits row: only its argmax is used
         max_blocks = max(len(s.request.block_table) for s in out.scheduled)
         block_tables = np.zeros((len(out.scheduled), max_blocks), dtype=np.int32)
         for i, s in enumerate(out.scheduled):
@@ -133,6 +144,7 @@ class ModelRunner:
                 logits_indices.extend(range(starts[-1] - 1 - len(draft), starts[-1]))
                 sample_requests.append(req)
                 num_rows.append(1 + len(draft))
+                greedy.extend([argmax_only(req.sampling_params)] * (1 + len(draft)))
 
         def tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
             return torch.from_numpy(a).to(device=self.device, dtype=dtype)
@@ -150,6 +162,7 @@ class ModelRunner:
             logits_indices=tensor(np.asarray(logits_indices, dtype=np.int64), torch.int64),
             sample_requests=sample_requests,
             num_rows=num_rows,
+            greedy=torch.from_numpy(np.asarray(greedy, dtype=bool)),
         )
 
 
@@ -161,3 +174,4 @@ class _Inputs:
     logits_indices: torch.Tensor
     sample_requests: list[Request]
     num_rows: list[int]
+    greedy: torch.Tensor  # bool, per logits row (on the CPU)

@@ -82,6 +82,11 @@ def has_penalties(params: SamplingParams) -> bool:
     )
 
 
+def argmax_only(params: SamplingParams) -> bool:
+    """Whether a row sampled with these parameters needs only the argmax of its logits."""
+    return is_greedy(params) and not has_penalties(params) and params.logprobs is None
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """The argmax of each row of logits [rows, vocab] (the first, on ties; NaN counts as
     the largest), int64 [rows]. On CPU through numpy: its vectorised argmax took 0.25 ms
@@ -94,17 +99,34 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 class Sampler:
     """Picks the next token of every row of a logits batch, each with its own parameters."""
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResult]:
-        """logits: [len(rows), vocab] float32. Returns one result per row, in order."""
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        tokens: torch.Tensor | None = None,
+    ) -> list[SampleResult]:
+        """logits: [len(rows), vocab] float32. tokens: None, or int64 [len(rows)] with the
+        argmax of rows that need only it (`argmax_only`), their logits rows unwritten, and
+        -1 for the others. Returns one result per row, in order."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}"
             )
+        if tokens is not None and tokens.shape != (len(rows),):
+            raise ValueError(f"tokens must be [{len(rows)}], got {tuple(tokens.shape)}")
         params = [row.params for row in rows]
-        if all(is_greedy(p) and not has_penalties(p) for p in params):
+        picked = None if tokens is None else tokens >= 0
+        if picked is not None and bool(picked.all()):
+            token_ids = tokens.clone()
+        elif all(is_greedy(p) and not has_penalties(p) for p in params):
             token_ids = greedy_tokens(logits)
         else:
             token_ids = self._sample(logits, rows)
+        if picked is not None:
+            given = picked.tolist()
+            if not all(argmax_only(p) for p, g in zip(params, given, strict=True) if g):
+                raise ValueError("tokens: a row that needs its logits was given a token")
+            token_ids = torch.where(picked, tokens, token_ids)
         return _build_results(logits, token_ids, params)
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -495,6 +495,15 @@ class DecoderLayer(nn.Module):
         return hidden
 
 
+class Logits(NamedTuple):
+    """What a forward pass gives for its sampled rows."""
+
+    logits: torch.Tensor  # fp32 [S, vocab]; a row with a token in `tokens` is left unwritten
+    # int64 [S] or None: the argmax of each greedy row that the model picked without its
+    # logits (`kernels.cpu_argmax`), -1 for every other row.
+    tokens: torch.Tensor | None = None
+
+
 class LlamaModel(nn.Module):
     """A Llama-family decoder over a flat token batch with a paged KV cache."""
 
@@ -515,6 +524,7 @@ class LlamaModel(nn.Module):
         self.lm_head_mkl: MKLPacked | None = None  # set by pack_weights_mkl
         self.lm_head_grid: Callable[..., torch.Tensor] | None = None  # as Linear.grid
         self.lm_head_grid_rows = 0
+        self.lm_head_argmax: Any = None  # kernels.cpu_argmax.ArgmaxWeights, as Linear.grid
         # Set by pack_weights_mkl where every GEMM weight lies on a quantisation grid whose
         # GEMM can sum as MKL sums large ones: steps of a few tokens then run as one call.
         self.fused: Any = None  # kernels.cpu_step.FusedWeights
@@ -572,7 +582,7 @@ class LlamaModel(nn.Module):
         (summed in the order MKL sums on this machine); every GEMM then takes calls of a
         few rows from its grid (`Linear.use_grid`), so that a row comes out the same in
         a step of any size and through either path."""
-        from pagedinfer.kernels import cpu_gemm, cpu_step  # import numba
+        from pagedinfer.kernels import cpu_argmax, cpu_gemm, cpu_step  # import numba
 
         libraries = [*(linear.mkl for linear in self.layers[0].linears()), self.lm_head_mkl]
         orders = []
@@ -596,6 +606,8 @@ class LlamaModel(nn.Module):
                 for layer in self.layers
             ]
         )
+        # Greedy rows' tokens without their logits, where that is faster here.
+        argmax = cpu_argmax.ArgmaxWeights.of(lm_head, orders[4]) if cpu_argmax.fast() else None
         fused = cpu_step.FusedWeights.stack(
             layers,
             lm_head,
@@ -604,6 +616,7 @@ class LlamaModel(nn.Module):
             norms.detach().numpy(),
             self.norm.weight.detach().numpy(),
             self.config.rms_norm_eps,
+            argmax,
         )
         if fused is None:
             return None
@@ -616,6 +629,7 @@ class LlamaModel(nn.Module):
                 linear.use_grid(gemm, rows)
         self.lm_head_grid = functools.partial(cpu_gemm.grid_linear, weight=lm_head, order=orders[4])
         self.lm_head_grid_rows = rows
+        self.lm_head_argmax = argmax
         return fused
 
     @torch.inference_mode()
@@ -626,29 +640,48 @@ class LlamaModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         attn: AttentionMetadata,
         logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
-        """Run the new tokens through every layer; return fp32 logits [S, vocab].
+        greedy: torch.Tensor | None = None,
+    ) -> Logits:
+        """Run the new tokens through every layer; return the fp32 logits [S, vocab] of the
+        rows logits_indices (int64 [S]) of the batch.
 
         input_ids, positions: int64 [T]. kv_caches: one (k_cache, v_cache) per layer,
-        each [num_blocks, block_size, num_kv_heads, head_dim]. logits_indices: int64 [S],
-        the rows of the batch whose next-token distribution is needed.
+        each [num_blocks, block_size, num_kv_heads, head_dim]. greedy: bool [S], the rows
+        whose only use is their argmax (greedy sampling without penalties or logprobs):
+        where it can, the model picks their tokens without computing their logits.
         """
         if len(kv_caches) != len(self.layers):
             raise ValueError(
                 f"kv_caches has {len(kv_caches)} entries for {len(self.layers)} layers"
+            )
+        if greedy is not None and greedy.shape != logits_indices.shape:
+            raise ValueError(
+                f"greedy has shape {tuple(greedy.shape)}, logits_indices "
+                f"{tuple(logits_indices.shape)}"
             )
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
         # fp32 on CPU: the ops between the GEMMs run in `kernels.cpu_layer`'s kernels.
         compiled = torch_ops.compiled_kernels() and cpu_layer().supports(hidden, rope)
         if compiled and self.fused is not None:
-            logits = self._fused_step(hidden, rope, kv_caches, attn, logits_indices)
-            if logits is not None:
-                return logits
+            out = self._fused_step(hidden, rope, kv_caches, attn, logits_indices, greedy)
+            if out is not None:
+                return out
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, rope, kv_cache, attn, compiled)
         # Only the sampled rows need the final norm and the (large) vocabulary projection.
-        return self.compute_logits(self.norm(hidden[logits_indices], compiled))
+        normed = self.norm(hidden[logits_indices], compiled)
+        if greedy is None or self.lm_head_argmax is None or not bool(greedy.any()):
+            return Logits(self.compute_logits(normed))
+        from pagedinfer.kernels import cpu_argmax  # imports numba
+
+        tokens = torch.full(logits_indices.shape, -1, dtype=torch.int64)
+        tokens[greedy] = cpu_argmax.lm_head_argmax(normed[greedy], self.lm_head_argmax)
+        logits = torch.empty(normed.shape[0], self.config.vocab_size)  # picked rows' unwritten
+        needed = tokens < 0
+        if bool(needed.any()):
+            logits[needed] = self.compute_logits(normed[needed])
+        return Logits(logits, tokens)
 
     def _fused_step(
         self,
@@ -657,7 +690,8 @@ class LlamaModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         attn: AttentionMetadata,
         logits_indices: torch.Tensor,
-    ) -> torch.Tensor | None:
+        greedy: torch.Tensor | None,
+    ) -> Logits | None:
         """The step as one compiled call (`kernels.cpu_step`), where it serves the batch:
         up to `FusedWeights.max_tokens` new tokens, every sequence's on the compiled
         attention kernels, caches the kernels take. None: the step runs layer by layer."""
@@ -691,7 +725,7 @@ class LlamaModel(nn.Module):
             vocab=config.vocab_size,
             block_size=k_cache.shape[1],
         )
-        return cpu_step.fused_forward(
+        logits, tokens = cpu_step.fused_forward(
             self.fused,
             shape,
             hidden,
@@ -701,7 +735,9 @@ class LlamaModel(nn.Module):
             plan,
             logits_indices,
             scale,
+            None if greedy is None else greedy.numpy(),
         )
+        return Logits(logits, tokens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head: fp32 logits [S, vocab] of final-normed hidden states [S, hidden]."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedinfer.service.models.llama import AttentionMetadata, LlamaModel, ModelConfig
+from pagedinfer.service.models.llama import AttentionMetadata, LlamaModel, Logits, ModelConfig
 
 BLOCK_SIZE = 16
 
@@ -42,6 +42,17 @@ class PagedCache:
 
         Returns each chunk's logits for all its new tokens.
         """
+        logits, _ = self.forward(model, chunks)
+        return list(logits.split([len(tokens) for _, tokens, _ in chunks]))
+
+    def forward(
+        self,
+        model: LlamaModel,
+        chunks: list[tuple[int, list[int], int]],
+        greedy: torch.Tensor | None = None,
+    ) -> Logits:
+        """`step`'s forward, the model's output for every new token (greedy: bool, per
+        new token, as the model takes it)."""
         ids, positions, slots, seq_ids, seq_lens, starts = [], [], [], [], [], [0]
         for seq, tokens, start in chunks:
             pos = torch.arange(start, start + len(tokens))
@@ -58,10 +69,14 @@ class PagedCache:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             query_start_loc=torch.tensor(starts, dtype=torch.int32),
         )
-        logits = model(
-            torch.cat(ids), torch.cat(positions), self.kv_caches, attn, torch.arange(starts[-1])
+        return model(
+            torch.cat(ids),
+            torch.cat(positions),
+            self.kv_caches,
+            attn,
+            torch.arange(starts[-1]),
+            greedy,
         )
-        return list(logits.split([len(tokens) for _, tokens, _ in chunks]))
 
     def copy(self) -> PagedCache:
         """The same blocks and tables, with the K/V values copied."""

@@ -185,3 +185,43 @@ def test_request_that_can_never_fit_is_rejected(llm):
         llm.generate([1] * 500, SamplingParams(max_tokens=20))
     with pytest.raises(ValueError, match="vocabulary"):
         llm.generate([[10**9]], SamplingParams(max_tokens=2))
+
+
+def test_greedy_rows_take_tokens_picked_without_their_logits(llm, hf_reference, monkeypatch):
+    """In one batch: greedy requests, whose tokens the model picks without their logits
+    where the CPU allows it (AVX-512 VNNI), and a greedy request with logprobs, whose rows
+    keep their logits. Every request gets Hugging Face's tokens."""
+    from pagedinfer.kernels import cpu_argmax
+
+    runner = llm.engine.runner
+    execute = runner.execute
+    outputs = []
+
+    def recording(out):
+        result = execute(out)
+        outputs.append(result)
+        return result
+
+    monkeypatch.setattr(runner, "execute", recording)
+    with_logprobs = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=1)
+    prompts = PROMPTS[:3]
+    outs = llm.generate(prompts, [GREEDY, GREEDY, with_logprobs])
+    tok = llm.tokenizer
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_reference(tok.encode(prompt))
+    assert all(len(entry["top"]) == 1 for entry in outs[2].outputs[0].logprobs)
+    picked = []  # per request and step: (no logprobs, its rows' tokens)
+    for result in outputs:
+        if result.tokens is None:
+            continue
+        first = 0
+        for req, rows in zip(result.requests, result.num_rows, strict=True):
+            tokens = result.tokens[first : first + rows].tolist()
+            picked.append((req.sampling_params.logprobs is None, tokens))
+            first += rows
+    if cpu_argmax.fast():
+        assert {greedy for greedy, _ in picked} == {True, False}
+        assert all(min(tokens) >= 0 for greedy, tokens in picked if greedy)
+        assert all(set(tokens) == {-1} for greedy, tokens in picked if not greedy)
+    else:
+        assert not picked

@@ -12,7 +12,7 @@ from paged_cache import BLOCK_SIZE, PagedCache
 
 pytest.importorskip("numba", reason="the fused step is compiled with numba")
 
-from pagedinfer.kernels import cpu_step, torch_ops
+from pagedinfer.kernels import cpu_argmax, cpu_step, torch_ops
 from pagedinfer.service.models.llama import (
     AttentionMetadata,
     LlamaModel,
@@ -114,6 +114,40 @@ def prefilled(model: LlamaModel, lengths: list[int], room: int = 16) -> PagedCac
 def test_a_model_on_grids_gets_the_fused_step(model: LlamaModel) -> None:
     assert model.fused is not None
     assert model.fused.kinds == ("affine4",) * 4 + ("scaled8",)
+    # Its 8-bit LM head picks greedy rows' tokens where that is faster than the logits.
+    assert (model.fused.argmax is not None) == cpu_argmax.fast()
+    assert model.lm_head_argmax is model.fused.argmax
+
+
+@pytest.mark.skipif(not cpu_argmax.fast(), reason="greedy rows are picked with AVX-512 VNNI")
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "layer-by-layer"])
+def test_greedy_rows_get_the_argmax_of_their_logits_without_them(
+    model: LlamaModel, fused: bool
+) -> None:
+    """A decode, a 4-token draft and a prompt's rows, some greedy: each greedy row's token is
+    the argmax of the logits a step without greedy rows gives; the other rows get the same
+    logits as there."""
+    base = prefilled(model, [30, 50])
+    chunks = [(0, [11], 30), (1, [5, 6, 7, 8, 9], 50)]
+    greedy = torch.tensor([True, True, False, True, True, False])
+    saved = model.fused
+    model.fused = saved if fused else None
+    try:
+        expected, tokens = base.copy().forward(model, chunks)
+        assert tokens is None
+        logits, tokens = base.copy().forward(model, chunks, greedy)
+    finally:
+        model.fused = saved
+    assert tokens is not None
+    assert tokens[greedy].tolist() == expected[greedy].argmax(dim=1).tolist()
+    assert (tokens[~greedy] == -1).all()
+    assert torch.equal(logits[~greedy], expected[~greedy])
+
+
+def test_greedy_rows_of_the_wrong_shape_are_refused(model: LlamaModel) -> None:
+    cache = prefilled(model, [20])
+    with pytest.raises(ValueError, match=r"greedy has shape \(3,\), logits_indices \(2,\)"):
+        cache.forward(model, [(0, [1, 2], 20)], torch.ones(3, dtype=torch.bool))
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -212,7 +212,10 @@ def test_logits_only_for_requested_rows(default_model: LoadedModel) -> None:
         seq_lens=torch.tensor([5], dtype=torch.int32),
         query_start_loc=torch.tensor([0, 5], dtype=torch.int32),
     )
-    logits = default_model.model(tokens, torch.arange(5), cache.kv_caches, attn, torch.tensor([4]))
+    logits, tokens = default_model.model(
+        tokens, torch.arange(5), cache.kv_caches, attn, torch.tensor([4])
+    )
+    assert tokens is None  # none asked for
     assert logits.shape == (1, config.vocab_size)
     assert logits.dtype == torch.float32
 

@@ -490,3 +490,36 @@ def test_an_unfinished_character_is_held_then_flushed(sentencepiece_tokenizer):
     flushed = detok.flush()  # how invalid bytes render is the tokenizer's business
     assert flushed.endswith("\ufffd")
     assert detok.output_text == "€" + flushed
+
+
+def test_tokens_picked_without_logits_are_taken_as_they_are() -> None:
+    """Rows whose token the model picked (their logits rows unwritten: NaN here) keep it;
+    the others are sampled from their logits as usual."""
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(0))
+    logits[[0, 2]] = float("nan")
+    greedy = SamplingParams(temperature=0.0)
+    results = Sampler()(logits, [row(greedy)] * 3, torch.tensor([7, -1, 4]))
+    assert [r.token_id for r in results] == [7, int(logits[1].argmax()), 4]
+    every = Sampler()(logits[[0, 2]], [row(greedy)] * 2, torch.tensor([7, 4]))
+    assert [r.token_id for r in every] == [7, 4]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.0, logprobs=1),
+        SamplingParams(temperature=0.0, repetition_penalty=1.2),
+    ],
+    ids=["sampled", "logprobs", "penalised"],
+)
+def test_a_token_for_a_row_that_needs_its_logits_is_refused(params) -> None:
+    logits = torch.zeros(2, 10)
+    greedy = SamplingParams(temperature=0.0)
+    with pytest.raises(ValueError, match="a row that needs its logits was given a token"):
+        Sampler()(logits, [row(greedy), row(params)], torch.tensor([1, 2]))
+
+
+def test_tokens_of_the_wrong_shape_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"tokens must be \[2\], got \(3,\)"):
+        Sampler()(torch.zeros(2, 10), [row(SamplingParams(temperature=0.0))] * 2, torch.ones(3))

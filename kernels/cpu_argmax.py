@@ -1,0 +1,723 @@
+"""The argmax of the LM head's logits, computed without most of them (numba, CPU): the
+token a greedy row samples, bit for bit the one the full fp32 logits give.
+
+Greedy decoding needs one number from the LM head: which of its outputs is largest. With
+SmolLM2's 49,152 outputs the LM head is a fifth of a decode token's FLOPs. Here it runs
+in three phases over rows of final-normed hidden states:
+
+1. `quantize`: each block of 32 inputs of a row becomes 8-bit codes with a scale
+   s = max |h| / 127, and the norm of what that rounding left out is kept per block.
+2. `approximate`: every logit from the 8-bit codes of the LM head's own grid (an 8-bit
+   grid, as GGUF's Q8_0: w = d * q per block of 32 inputs), each block summed exactly in
+   32-bit integers (AVX-512 VNNI: 64 byte products per instruction, twice fp32's
+   rate on an AMD EPYC), then scaled by d * s.
+3. `pick`: a logit differs from its approximation by at most the bound
+   sum_b |d_b| ||q_b|| ||e_b|| (Cauchy-Schwarz per block, e the rounding left out) plus
+   a margin for fp32 rounding. Only outputs whose approximation lies within the bounds
+   of the best one can be the argmax (on the benchmark's rows: 4 on average, 161 at
+   most, of 49,152). Those are computed exactly, with the grid GEMM that computes the
+   full logits (`cpu_gemm.gemm_kernel`, one row, its group of 64 outputs), and the
+   first largest wins, as numpy's argmax picks.
+
+A row whose hidden state is not finite, or has more than CANDIDATES outputs to check,
+is not picked here (token -1): its logits must be computed in full.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from llvmlite import binding as llvm
+from llvmlite import ir
+from numba.core import cgutils, types
+
+from pagedinfer.kernels import cpu_gemm
+from pagedinfer.kernels.cpu_numba import (
+    Job,
+    barrier,
+    intrinsic,
+    jit,
+    lanes_copy,
+    lanes_max,
+    lanes_mul,
+    run_jobs,
+    stack_array,
+)
+
+LANES = cpu_gemm.LANES
+BLOCK = cpu_gemm.GRID_BLOCK
+# Whether this CPU multiplies bytes into 32-bit sums in one instruction (AVX-512 VNNI).
+# Without it the approximation runs on plain integer vector code: correct, but no faster
+# than the full LM head, so a model does not use it (`fast`).
+VNNI = bool(llvm.get_host_cpu_features().get("avx512vnni", False))
+ROWS = 6  # rows per pass over a tile group: 12 integer and 12 float accumulators
+TILES = 2  # tiles per group
+# The most outputs a row may have to bound before its logits are computed in full (on the
+# benchmark's rows at most 11,477 passed the first, loose test; 161 the second).
+CANDIDATES = 16384
+_HUGE = np.float32(1e18)  # beyond this a hidden value could overflow a logit's fp32 sum
+# The fp32 rounding of the exact logits (at most K * 2^-24 of sum |w h|, 3.4e-5 for
+# K = 576) and of the approximation (about 40 roundings), as a share of ||h|| * max ||w||.
+_ROUNDING = np.float32(2.0**-12)
+_UP = np.float32(1.0 + 2.0**-10)  # room for the fp32 rounding of the bounds themselves
+
+
+def fast() -> bool:
+    """Whether picking the argmax here beats computing the logits on this CPU."""
+    return VNNI
+
+
+@dataclass(frozen=True)
+class ArgmaxWeights:
+    """An 8-bit grid LM head as the three phases read it ([tiles, ...] as in the grid)."""
+
+    codes: np.ndarray  # int32 [tiles, K / 4, 16]: the codes of inputs 4i .. 4i + 3 of a lane
+    offsets: np.ndarray  # int32 [tiles, blocks, 16]: -128 * the sum of a block's codes
+    scales: np.ndarray  # fp32 [tiles, blocks, 16]: d
+    bounds: np.ndarray  # fp32 [vocab, blocks]: |d| * ||q|| of each output's block, rounded up
+    bounds_max: np.ndarray  # fp32 [blocks]: the largest of each block's bounds
+    norm_max: np.float32  # the largest ||w|| of an output, rounded up
+    grid: cpu_gemm.GridWeight  # the exact logits' weight
+    order: cpu_gemm.SumOrder  # ... and order
+    pool: ScratchPool = field(compare=False, repr=False)
+
+    @classmethod
+    def of(cls, grid: cpu_gemm.GridWeight, order: cpu_gemm.SumOrder) -> ArgmaxWeights | None:
+        """From the LM head's grid and the order its logits are summed in; None for a grid
+        that is not 8-bit."""
+        if grid.kind != cpu_gemm.SCALED8:
+            return None
+        tiles, k = grid.out_features // LANES, grid.in_features
+        q = grid.codes  # int8 [tiles, K, 16]
+        codes = q.reshape(tiles, k // 4, 4, LANES).transpose(0, 1, 3, 2)
+        by_block = (tiles, k // BLOCK, BLOCK, LANES)
+        sums = q.reshape(by_block).sum(axis=2, dtype=np.int32)
+        squares = np.square(q, dtype=np.int16).reshape(by_block).sum(axis=2, dtype=np.int32)
+        d = grid.scales[:, :, 0, :].view(np.float16).astype(np.float64)  # [tiles, blocks, 16]
+        norms = np.abs(d) * np.sqrt(squares)
+        bounds = _rounded_up(norms.transpose(0, 2, 1).reshape(grid.out_features, k // BLOCK))
+        row_norms = np.sqrt((norms**2).sum(axis=1)).max()  # ||w_j||^2 = sum_b d^2 ||q_b||^2
+        return cls(
+            codes=np.ascontiguousarray(codes).view(np.int32)[..., 0],
+            offsets=-128 * sums,
+            scales=np.ascontiguousarray(d, dtype=np.float32),
+            bounds=bounds,
+            bounds_max=np.ascontiguousarray(bounds.max(axis=0)),
+            norm_max=_rounded_up(np.array([row_norms]))[0],
+            grid=grid,
+            order=order,
+            pool=ScratchPool(k, grid.out_features),
+        )
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self.codes, self.offsets, self.scales, self.bounds, self.bounds_max)
+        return sum(a.nbytes for a in arrays)
+
+
+def _rounded_up(x: np.ndarray) -> np.ndarray:
+    """x (float64) as fp32, never below it."""
+    single = x.astype(np.float32)
+    return np.where(single < x, np.nextafter(single, np.float32(np.inf)), single)
+
+
+@dataclass
+class Scratch:
+    """What the phases pass on, for `rows` rows and `workers` workers."""
+
+    codes: np.ndarray  # uint8 [rows, K]: the rows' 8-bit codes, offset by 128
+    words: np.ndarray  # int32 [rows, K / 4]: the same bytes, 4 to a word
+    scales: np.ndarray  # fp32 [rows, blocks]: s
+    errors: np.ndarray  # fp32 [rows, blocks]: ||e|| of each block, rounded up
+    margins: np.ndarray  # fp32 [rows]: the fp32 rounding's share; < 0: the row is not picked
+    approx: np.ndarray  # fp32 [rows, tiles, 16]
+    maxima: np.ndarray  # fp32 [workers, rows, 16]: each worker's largest approximations
+    found: np.ndarray  # int64 [workers, CANDIDATES]: a worker's candidates
+    found_bounds: np.ndarray  # fp32 [workers, CANDIDATES]
+    exact: np.ndarray  # fp32 [workers, 1, 4, 16]: one group's exact logits
+
+    @classmethod
+    def of(
+        cls, rows: int, hidden: int, vocab: int, workers: int, candidates: int = CANDIDATES
+    ) -> Scratch:
+        codes = np.empty((rows, hidden), np.uint8)
+        return cls(
+            codes=codes,
+            words=codes.view(np.int32),
+            scales=np.empty((rows, hidden // BLOCK), np.float32),
+            errors=np.empty((rows, hidden // BLOCK), np.float32),
+            margins=np.empty(rows, np.float32),
+            approx=np.empty((rows, vocab // LANES, LANES), np.float32),
+            maxima=np.empty((workers, rows, LANES), np.float32),
+            found=np.empty((workers, candidates), np.int64),
+            found_bounds=np.empty((workers, candidates), np.float32),
+            exact=np.empty((workers, 1, cpu_gemm.TILE_GROUP, LANES), np.float32),
+        )
+
+    def rows(self, rows: int) -> Scratch:
+        """The first `rows` rows of this scratch (views)."""
+        return Scratch(
+            codes=self.codes[:rows],
+            words=self.words[:rows],
+            scales=self.scales[:rows],
+            errors=self.errors[:rows],
+            margins=self.margins[:rows],
+            approx=self.approx[:rows],
+            maxima=self.maxima,  # whole: a worker's share stays contiguous
+            found=self.found,
+            found_bounds=self.found_bounds,
+            exact=self.exact,
+        )
+
+    def args(self) -> tuple[np.ndarray, ...]:
+        return (
+            self.codes,
+            self.words,
+            self.scales,
+            self.errors,
+            self.margins,
+            self.approx,
+            self.maxima,
+            self.found,
+            self.found_bounds,
+            self.exact,
+        )
+
+
+class ScratchPool:
+    """One growing scratch per thread, reused from step to step: a fresh one of a few MB
+    each step cost some 1.4 ms in page faults at 37 rows."""
+
+    def __init__(self, hidden: int, vocab: int) -> None:
+        self.hidden, self.vocab = hidden, vocab
+        self._local = threading.local()
+
+    def get(self, rows: int, workers: int) -> Scratch:
+        held: Scratch | None = getattr(self._local, "scratch", None)
+        if held is None or held.codes.shape[0] < rows or held.found.shape[0] < workers:
+            size = max(rows, 2 * held.codes.shape[0] if held is not None else rows)
+            held = Scratch.of(size, self.hidden, self.vocab, workers)
+            self._local.scratch = held
+        return held.rows(rows)
+
+
+def lm_head_argmax(
+    hidden: torch.Tensor, weights: ArgmaxWeights, scratch: Scratch | None = None
+) -> torch.Tensor:
+    """The argmax of each row's logits hidden @ W.T (hidden: fp32 [S, K], final-normed)
+    on the worker threads: int64 [S], -1 for a row whose logits must be computed in full.
+    scratch: for S rows and the threads (else the weights' pool gives one)."""
+    if hidden.dim() != 2 or hidden.shape[1] != weights.grid.in_features:
+        raise ValueError(
+            f"lm_head_argmax: hidden must be [S, {weights.grid.in_features}], "
+            f"got {tuple(hidden.shape)}"
+        )
+    rows = hidden.shape[0]
+    tokens = np.empty(rows, np.int64)
+    if rows:
+        workers = torch.get_num_threads()
+        scratch = scratch or weights.pool.get(rows, workers)
+        kernel = argmax_kernel(weights.grid.in_features, weights.order)
+        sync = np.zeros(2, np.int64)
+        x = np.ascontiguousarray(hidden.detach().numpy(), dtype=np.float32)
+        args = (x, *weights_args(weights), *scratch.args(), tokens, sync)
+        run_jobs([Job(kernel, args, workers)])
+    return torch.from_numpy(tokens)
+
+
+def weights_args(weights: ArgmaxWeights) -> tuple[Any, ...]:
+    return (
+        weights.codes,
+        weights.offsets,
+        weights.scales,
+        weights.bounds,
+        weights.bounds_max,
+        weights.norm_max,
+        weights.grid.codes,
+        weights.grid.scales,
+    )
+
+
+def no_args() -> tuple[Any, ...]:
+    """`weights_args` and `Scratch.args` of no LM head, for a step with no greedy rows."""
+    f32, i32 = np.float32, np.int32
+    return (
+        np.zeros((0, 0, LANES), i32),
+        np.zeros((0, 0, LANES), i32),
+        np.zeros((0, 0, LANES), f32),
+        np.zeros((0, 0), f32),
+        np.zeros(0, f32),
+        f32(0),
+        np.zeros((0, 0, LANES), np.int8),
+        np.zeros((0, 0, 2, LANES), np.uint16),
+        *Scratch.of(0, 0, 0, 0).args(),
+    )
+
+
+@functools.cache
+def argmax_kernel(in_features: int, order: cpu_gemm.SumOrder) -> Callable[..., None]:
+    """argmax(x, *weights_args, *Scratch.args, tokens, sync, worker, workers): the three
+    phases over every row of x, the workers meeting at a barrier between them."""
+    quantize, approximate, pick = phase_kernels(in_features, order)
+
+    @jit(nogil=True, error_model="numpy")
+    def argmax(
+        x: np.ndarray,
+        codes: np.ndarray,
+        offsets: np.ndarray,
+        scales: np.ndarray,
+        bounds: np.ndarray,
+        bounds_max: np.ndarray,
+        norm_max: np.float32,
+        grid_codes: np.ndarray,
+        grid_scales: np.ndarray,
+        row_codes: np.ndarray,
+        words: np.ndarray,
+        row_scales: np.ndarray,
+        errors: np.ndarray,
+        margins: np.ndarray,
+        approx: np.ndarray,
+        maxima: np.ndarray,
+        found: np.ndarray,
+        found_bounds: np.ndarray,
+        exact: np.ndarray,
+        tokens: np.ndarray,
+        sync: np.ndarray,
+        worker: int,
+        workers: int,
+    ) -> None:
+        quantize(x, norm_max, row_codes, row_scales, errors, margins, worker, workers)
+        passed = barrier(sync, workers, 0)
+        approximate(
+            words, row_scales, codes, offsets, scales, approx, maxima[worker], worker, workers
+        )
+        passed = barrier(sync, workers, passed)
+        pick(
+            x,
+            approx,
+            maxima,
+            errors,
+            margins,
+            bounds,
+            bounds_max,
+            grid_codes,
+            grid_scales,
+            found[worker],
+            found_bounds[worker],
+            exact[worker],
+            tokens,
+            worker,
+            workers,
+        )
+
+    return argmax
+
+
+@functools.cache
+def phase_kernels(
+    in_features: int, order: cpu_gemm.SumOrder
+) -> tuple[Callable[..., Any], Callable[..., None], Callable[..., None]]:
+    """The three phases for rows of in_features inputs whose exact logits are summed in
+    `order`, each taking (..., worker, workers) and doing its worker's share: quantize
+    and pick a share of the rows, approximate a share of the tile groups."""
+    k, blocks = in_features, in_features // BLOCK
+    exact_group = cpu_gemm.gemm_kernel(cpu_gemm.SCALED8, 1, k, order.ends, order.fused)
+    group_outputs = cpu_gemm.TILE_GROUP * LANES
+    by_rows = [_approx_rows(rows, k) for rows in range(1, ROWS + 1)]
+    a1, a2, a3, a4, a5, a6 = by_rows
+
+    @jit(nogil=True, error_model="numpy")
+    def quantize(
+        x: np.ndarray,
+        norm_max: np.float32,
+        row_codes: np.ndarray,
+        row_scales: np.ndarray,
+        errors: np.ndarray,
+        margins: np.ndarray,
+        worker: int,
+        workers: int,
+    ) -> None:
+        rows = x.shape[0]
+        for r in range(rows * worker // workers, rows * (worker + 1) // workers):
+            square = 0.0  # float64: ||h||^2
+            finite = True
+            for i in range(k):
+                v = x[r, i]
+                if not abs(v) <= _HUGE:  # NaN too
+                    finite = False
+                square += np.float64(v) * np.float64(v)
+            if not finite:
+                margins[r] = -1.0
+                continue
+            for b in range(blocks):
+                top = np.float32(0.0)
+                for i in range(b * BLOCK, (b + 1) * BLOCK):
+                    top = max(top, abs(x[r, i]))
+                s = top / np.float32(127.0)
+                left = 0.0  # float64: ||e||^2 of the block
+                for i in range(b * BLOCK, (b + 1) * BLOCK):
+                    q = 0.0
+                    if s > 0:
+                        q = min(max(np.rint(x[r, i] / s), -127.0), 127.0)
+                    e = np.float64(x[r, i]) - np.float64(s) * q
+                    left += e * e
+                    row_codes[r, i] = np.uint8(np.int64(q) + 128)
+                row_scales[r, b] = s
+                errors[r, b] = np.float32(np.sqrt(left) * (1.0 + 2.0**-20))
+            margins[r] = np.float32(np.sqrt(square) * np.float64(norm_max) * _ROUNDING * _UP)
+
+    @jit(nogil=True, error_model="numpy")
+    def approximate(
+        words: np.ndarray,
+        row_scales: np.ndarray,
+        codes: np.ndarray,
+        offsets: np.ndarray,
+        scales: np.ndarray,
+        approx: np.ndarray,
+        maxima: np.ndarray,
+        worker: int,
+        workers: int,
+    ) -> None:
+        rows = words.shape[0]
+        for r in range(rows):
+            lanes_copy(maxima[r], -np.inf, LANES)
+        for group in range(worker, codes.shape[0] // TILES, workers):
+            t0 = group * TILES
+            r0 = 0
+            while r0 + ROWS <= rows:
+                a6(words, row_scales, codes, offsets, scales, approx, maxima, r0, t0)
+                r0 += ROWS
+            left = rows - r0
+            if left == 5:
+                a5(words, row_scales, codes, offsets, scales, approx, maxima, r0, t0)
+            elif left == 4:
+                a4(words, row_scales, codes, offsets, scales, approx, maxima, r0, t0)
+            elif left == 3:
+                a3(words, row_scales, codes, offsets, scales, approx, maxima, r0, t0)
+            elif left == 2:
+                a2(words, row_scales, codes, offsets, scales, approx, maxima, r0, t0)
+            elif left == 1:
+                a1(words, row_scales, codes, offsets, scales, approx, maxima, r0, t0)
+
+    @jit(nogil=True, error_model="numpy")
+    def pick(
+        x: np.ndarray,
+        approx: np.ndarray,
+        maxima: np.ndarray,
+        errors: np.ndarray,
+        margins: np.ndarray,
+        bounds: np.ndarray,
+        bounds_max: np.ndarray,
+        grid_codes: np.ndarray,
+        grid_scales: np.ndarray,
+        found: np.ndarray,
+        found_bounds: np.ndarray,
+        exact: np.ndarray,
+        tokens: np.ndarray,
+        worker: int,
+        workers: int,
+    ) -> None:
+        rows = x.shape[0]
+        vocab = approx.shape[1] * LANES
+        for r in range(rows * worker // workers, rows * (worker + 1) // workers):
+            tokens[r] = -1
+            if margins[r] < 0:
+                continue
+            logits = approx[r].reshape(vocab)
+            best = maxima[0, r, 0]
+            for w in range(maxima.shape[0]):
+                for lane in range(LANES):
+                    best = max(best, maxima[w, r, lane])
+            # Every output's bound is at most `widest`: an output more than twice that
+            # below the best approximation is below the best one's logit.
+            widest = np.float32(0.0)
+            for b in range(blocks):
+                widest += bounds_max[b] * errors[r, b]
+            widest = widest * _UP + margins[r]
+            floor = best - 2 * widest
+            count = 0
+            for t in range(approx.shape[1]):
+                mask = lanes_at_least(approx[r, t], floor)
+                while mask and count >= 0:
+                    if count == found.shape[0]:
+                        count = -1
+                        break
+                    lane = trailing_zeros(mask)
+                    found[count] = t * LANES + lane
+                    count += 1
+                    mask &= mask - 1
+                if count < 0:
+                    break
+            if count < 0:
+                continue
+            # The largest logit is at least `low`; an output can reach it only if its
+            # approximation plus its own bound does.
+            low = -np.inf
+            for c in range(count):
+                j = found[c]
+                bound = np.float32(0.0)
+                for b in range(blocks):
+                    bound += bounds[j, b] * errors[r, b]
+                bound = bound * _UP + margins[r]
+                found_bounds[c] = bound
+                low = max(low, logits[j] - bound)
+            token, top, group = -1, np.float32(0.0), -1
+            for c in range(count):  # in output order: the first largest wins
+                j = found[c]
+                if logits[j] + found_bounds[c] < low:
+                    continue
+                if j // group_outputs != group:
+                    group = j // group_outputs
+                    t0 = group * cpu_gemm.TILE_GROUP
+                    exact_group(
+                        x[r : r + 1],
+                        0,
+                        grid_codes[t0 : t0 + cpu_gemm.TILE_GROUP],
+                        grid_scales[t0 : t0 + cpu_gemm.TILE_GROUP],
+                        exact,
+                        0,
+                        cpu_gemm.TILE_GROUP,
+                        False,
+                        0,
+                        1,
+                    )
+                value = exact[0, (j % group_outputs) // LANES, j % LANES]
+                if token < 0 or value > top:
+                    token, top = j, value
+            tokens[r] = token
+
+    return quantize, approximate, pick
+
+
+def _approx_rows(rows: int, in_features: int) -> Callable[..., None]:
+    """approx(words, row_scales, codes, offsets, scales, out, maxima, r0, t0): the
+    approximate logits of rows r0 .. r0 + rows - 1 for tiles t0 .. t0 + TILES - 1: per
+    block, the 32-bit sum of code products (the row's codes offset by 128, hence the
+    block's offset), times d * s, summed over the blocks in fp32; maxima[r]: the largest
+    so far in each lane."""
+    words_per_block = BLOCK // 4
+    blocks = in_features // BLOCK
+
+    @jit(nogil=True, error_model="numpy", inline="always")
+    def approx(
+        words: np.ndarray,
+        row_scales: np.ndarray,
+        codes: np.ndarray,
+        offsets: np.ndarray,
+        scales: np.ndarray,
+        out: np.ndarray,
+        maxima: np.ndarray,
+        r0: int,
+        t0: int,
+    ) -> None:
+        total = stack_array((rows, TILES, LANES))
+        sums = int_stack_array((rows, TILES, LANES))
+        scale = stack_array((LANES,))
+        for r in range(rows):
+            for t in range(TILES):
+                lanes_copy(total[r, t], np.float32(0.0), LANES)
+        for b in range(blocks):
+            for r in range(rows):
+                for t in range(TILES):
+                    int_lanes_copy(sums[r, t], offsets[t0 + t, b])
+            for i in range(b * words_per_block, (b + 1) * words_per_block):
+                for r in range(rows):
+                    word = words[r0 + r, i]
+                    for t in range(TILES):
+                        dot_bytes(sums[r, t], word, codes[t0 + t, i])
+            for r in range(rows):
+                s = row_scales[r0 + r, b]
+                for t in range(TILES):
+                    lanes_mul(scale, scales[t0 + t, b], s, LANES)
+                    fma_ints(total[r, t], sums[r, t], scale)
+        for r in range(rows):
+            for t in range(TILES):
+                lanes_copy(out[r0 + r, t0 + t], total[r, t], LANES)
+                lanes_max(maxima[r0 + r], total[r, t], LANES)
+
+    return approx
+
+
+# -- integer lane ops ---------------------------------------------------------------------
+
+
+def _int_lanes(t: Any) -> bool:
+    return isinstance(t, types.Array) and t.dtype == types.int32 and t.ndim == 1 and t.layout == "C"
+
+
+def _lanes_pointer(context: Any, builder: Any, array_type: Any, array: Any, element: Any) -> Any:
+    data = context.make_array(array_type)(context, builder, array).data
+    return builder.bitcast(data, ir.VectorType(element, LANES).as_pointer())
+
+
+@intrinsic
+def int_stack_array(typingctx: Any, shape: Any) -> Any:
+    """`stack_array` of int32."""
+    if not (
+        isinstance(shape, types.BaseTuple)
+        and len(shape) > 0
+        and all(isinstance(n, types.IntegerLiteral) for n in shape)
+    ):
+        return None
+    from numba.np.arrayobj import make_array, populate_array
+
+    dims = [n.literal_value for n in shape]
+    array_type = types.Array(types.int32, len(dims), "C")
+    count = int(np.prod(dims))
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i32 = ir.IntType(32)
+        with builder.goto_entry_block():
+            slot = builder.alloca(ir.ArrayType(i32, count))
+            slot.align = 64
+        intp = context.get_value_type(types.intp)
+        array = make_array(array_type)(context, builder)
+        populate_array(
+            array,
+            data=builder.bitcast(slot, i32.as_pointer()),
+            shape=[ir.Constant(intp, n) for n in dims],
+            strides=[ir.Constant(intp, 4 * int(np.prod(dims[i + 1 :]))) for i in range(len(dims))],
+            itemsize=ir.Constant(intp, 4),
+            meminfo=None,
+        )
+        return array._getvalue()
+
+    return array_type(shape), codegen
+
+
+@intrinsic
+def int_lanes_copy(typingctx: Any, y: Any, x: Any) -> Any:
+    """y[:16] = x[:16] (int32 lanes)."""
+    if not (_int_lanes(y) and _int_lanes(x)):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i32 = ir.IntType(32)
+        source = _lanes_pointer(context, builder, signature.args[1], args[1], i32)
+        target = _lanes_pointer(context, builder, signature.args[0], args[0], i32)
+        builder.store(builder.load(source, align=4), target, align=4)
+        return context.get_dummy_value()
+
+    return types.void(y, x), codegen
+
+
+@intrinsic
+def dot_bytes(typingctx: Any, sums: Any, word: Any, codes: Any) -> Any:
+    """sums[l] += sum over i < 4 of byte i of `word` (unsigned) times byte i of codes[l]
+    (signed), for the 16 int32 lanes l: AVX-512 VNNI's vpdpbusd where the CPU has it."""
+    if not (_int_lanes(sums) and isinstance(word, types.Integer) and _int_lanes(codes)):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i32 = ir.IntType(32)
+        vector = ir.VectorType(i32, LANES)
+        target = _lanes_pointer(context, builder, signature.args[0], args[0], i32)
+        acc = builder.load(target, align=4)
+        one = context.cast(builder, args[1], signature.args[1], types.int32)
+        lane0 = builder.insert_element(ir.Constant(vector, ir.Undefined), one, i32(0))
+        spread = builder.shuffle_vector(
+            lane0, ir.Constant(vector, ir.Undefined), ir.Constant(vector, [0] * LANES)
+        )
+        weights = builder.load(
+            _lanes_pointer(context, builder, signature.args[2], args[2], i32), align=4
+        )
+        if VNNI:
+            function = cgutils.get_or_insert_function(
+                builder.module,
+                ir.FunctionType(vector, [vector] * 3),
+                "llvm.x86.avx512.vpdpbusd.512",
+            )
+            result = builder.call(function, [acc, spread, weights])
+        else:
+            bytes_type = ir.VectorType(ir.IntType(8), 4 * LANES)
+            wide = ir.VectorType(i32, 4 * LANES)
+            products = builder.mul(
+                builder.zext(builder.bitcast(spread, bytes_type), wide),
+                builder.sext(builder.bitcast(weights, bytes_type), wide),
+            )
+            result = acc
+            for i in range(4):
+                part = ir.Constant(vector, list(range(i, 4 * LANES, 4)))
+                result = builder.add(result, builder.shuffle_vector(products, products, part))
+        builder.store(result, target, align=4)
+        return context.get_dummy_value()
+
+    return types.void(sums, word, codes), codegen
+
+
+@intrinsic
+def fma_ints(typingctx: Any, total: Any, sums: Any, scale: Any) -> Any:
+    """total[:16] = fp32(sums[:16]) * scale[:16] + total[:16], rounded once."""
+    if not (_int_lanes(sums)):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        f32 = ir.FloatType()
+        vector = ir.VectorType(f32, LANES)
+        total_at = _lanes_pointer(context, builder, signature.args[0], args[0], f32)
+        ints = builder.load(
+            _lanes_pointer(context, builder, signature.args[1], args[1], ir.IntType(32)), align=4
+        )
+        scale = builder.load(
+            _lanes_pointer(context, builder, signature.args[2], args[2], f32), align=4
+        )
+        function = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vector, [vector] * 3), f"llvm.fma.v{LANES}f32"
+        )
+        value = builder.call(
+            function, [builder.sitofp(ints, vector), scale, builder.load(total_at, align=4)]
+        )
+        builder.store(value, total_at, align=4)
+        return context.get_dummy_value()
+
+    return types.void(total, sums, scale), codegen
+
+
+@intrinsic
+def lanes_at_least(typingctx: Any, x: Any, floor: Any) -> Any:
+    """The lanes l of x[:16] (fp32) with x[l] >= floor, as the bits 1 << l of an int64."""
+    if not (
+        isinstance(x, types.Array) and x.dtype == types.float32 and isinstance(floor, types.Float)
+    ):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        f32 = ir.FloatType()
+        vector = ir.VectorType(f32, LANES)
+        values = builder.load(
+            _lanes_pointer(context, builder, signature.args[0], args[0], f32), align=4
+        )
+        one = context.cast(builder, args[1], signature.args[1], types.float32)
+        lane0 = builder.insert_element(ir.Constant(vector, ir.Undefined), one, ir.IntType(32)(0))
+        spread = builder.shuffle_vector(
+            lane0,
+            ir.Constant(vector, ir.Undefined),
+            ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES),
+        )
+        bits = builder.bitcast(builder.fcmp_ordered(">=", values, spread), ir.IntType(LANES))
+        return builder.zext(bits, ir.IntType(64))
+
+    return types.int64(x, floor), codegen
+
+
+@intrinsic
+def trailing_zeros(typingctx: Any, x: Any) -> Any:
+    """The number of zero bits below the lowest set bit of x (an int64, not 0)."""
+    if not isinstance(x, types.Integer):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i64 = ir.IntType(64)
+        value = context.cast(builder, args[0], signature.args[0], types.int64)
+        function = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(i64, [i64, ir.IntType(1)]), "llvm.cttz.i64"
+        )
+        return builder.call(function, [value, ir.IntType(1)(1)])
+
+    return types.int64(x), codegen

@@ -1,0 +1,144 @@
+"""The LM head's argmax without its logits: the token is the one the full logits give
+(numpy's argmax of the grid GEMM's fp32 logits, the first on ties), and a row it cannot
+pick is marked for its logits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("numba", reason="the argmax kernels are compiled with numba")
+
+from test_cpu_gemm import affine4_weight, scaled8_weight
+
+from pagedinfer.kernels import cpu_argmax, cpu_gemm
+
+VOCAB, HIDDEN = 1024, 256
+ORDERS = [
+    cpu_gemm.SumOrder((HIDDEN,), True),
+    cpu_gemm.SumOrder((96, 192, HIDDEN), False),
+]
+
+
+def lm_head(weight: torch.Tensor, order: cpu_gemm.SumOrder) -> cpu_argmax.ArgmaxWeights:
+    grid = cpu_gemm.to_grid(weight)
+    assert grid is not None and grid.kind == cpu_gemm.SCALED8
+    weights = cpu_argmax.ArgmaxWeights.of(grid, order)
+    assert weights is not None
+    return weights
+
+
+def full_argmax(hidden: torch.Tensor, weights: cpu_argmax.ArgmaxWeights) -> np.ndarray:
+    logits = cpu_gemm.grid_linear(hidden.contiguous(), weights.grid, weights.order)
+    return logits.numpy().argmax(axis=1)
+
+
+def hidden_states(rows: int, seed: int) -> torch.Tensor:
+    """Final-normed rows as a model gives them: mostly small, a few large dimensions."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, HIDDEN, generator=gen)
+    x[:, torch.randint(0, HIDDEN, (4,), generator=gen)] *= 12
+    return x
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("order", ORDERS, ids=["one-fused-chain", "three-unfused-parts"])
+def test_the_token_is_the_argmax_of_the_full_logits(order, threads) -> None:
+    weights = lm_head(scaled8_weight(VOCAB, HIDDEN, seed=1), order)
+    hidden = hidden_states(70, seed=2)  # 11 passes of 6 rows and 4 rows left
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        tokens = cpu_argmax.lm_head_argmax(hidden, weights)
+    finally:
+        torch.set_num_threads(before)
+    np.testing.assert_array_equal(tokens.numpy(), full_argmax(hidden, weights))
+
+
+def test_rows_close_to_an_output_pick_it_over_its_near_neighbours() -> None:
+    """Rows along an output's own weight (its logit far ahead) and rows halfway between
+    two outputs' weights (their logits within rounding of each other)."""
+    weight = scaled8_weight(VOCAB, HIDDEN, seed=3)
+    weights = lm_head(weight, ORDERS[0])
+    gen = torch.Generator().manual_seed(4)
+    near = weight[torch.randint(0, VOCAB, (8,), generator=gen)] * 30
+    pairs = torch.randint(0, VOCAB, (2, 8), generator=gen)
+    between = (weight[pairs[0]] + weight[pairs[1]]) * 15
+    hidden = torch.cat((near, between))
+    np.testing.assert_array_equal(
+        cpu_argmax.lm_head_argmax(hidden, weights).numpy(), full_argmax(hidden, weights)
+    )
+
+
+def test_equal_logits_give_the_first_output() -> None:
+    """Outputs with the same weight tie exactly: the first one wins, as in numpy, within a
+    group of 64 outputs and across groups; a zero row ties every output."""
+    weight = scaled8_weight(VOCAB, HIDDEN, seed=5)
+    weight[700] = weight[300]  # another group
+    weight[305] = weight[300]  # the same group of 64
+    weights = lm_head(weight, ORDERS[1])
+    hidden = torch.cat((weight[300:301] * 40, torch.zeros(1, HIDDEN)))
+    tokens = cpu_argmax.lm_head_argmax(hidden, weights).tolist()
+    assert tokens == [300, 0]
+    assert tokens == full_argmax(hidden, weights).tolist()
+
+
+def test_rows_that_are_not_finite_are_left_for_their_logits() -> None:
+    weights = lm_head(scaled8_weight(VOCAB, HIDDEN, seed=6), ORDERS[0])
+    hidden = hidden_states(4, seed=7)
+    hidden[1, 5] = float("nan")
+    hidden[2, 9] = float("inf")
+    tokens = cpu_argmax.lm_head_argmax(hidden, weights)
+    assert tokens[1] == tokens[2] == -1
+    expected = full_argmax(hidden[[0, 3]], weights)
+    assert tokens[[0, 3]].tolist() == expected.tolist()
+
+
+def test_a_row_with_too_many_outputs_to_check_is_left_for_its_logits() -> None:
+    """A zero row ties all 1,024 outputs: with room for fewer candidates it is not picked;
+    the other rows still are."""
+    weights = lm_head(scaled8_weight(VOCAB, HIDDEN, seed=8), ORDERS[0])
+    hidden = hidden_states(3, seed=9)
+    hidden[1] = 0
+    workers = torch.get_num_threads()
+    scratch = cpu_argmax.Scratch.of(3, HIDDEN, VOCAB, workers, candidates=VOCAB - 1)
+    tokens = cpu_argmax.lm_head_argmax(hidden, weights, scratch)
+    assert tokens[1] == -1
+    assert tokens[[0, 2]].tolist() == full_argmax(hidden[[0, 2]], weights).tolist()
+
+
+def test_no_rows_give_no_tokens() -> None:
+    weights = lm_head(scaled8_weight(VOCAB, HIDDEN, seed=10), ORDERS[0])
+    assert cpu_argmax.lm_head_argmax(torch.empty(0, HIDDEN), weights).shape == (0,)
+
+
+def test_only_an_8_bit_grid_is_taken() -> None:
+    grid = cpu_gemm.to_grid(affine4_weight(VOCAB, HIDDEN))
+    assert grid is not None
+    assert cpu_argmax.ArgmaxWeights.of(grid, ORDERS[0]) is None
+
+
+def test_hidden_states_of_the_wrong_width_are_refused() -> None:
+    weights = lm_head(scaled8_weight(VOCAB, HIDDEN, seed=11), ORDERS[0])
+    with pytest.raises(ValueError, match=r"hidden must be \[S, 256\]"):
+        cpu_argmax.lm_head_argmax(torch.zeros(2, HIDDEN + 32), weights)
+
+
+def test_the_approximation_is_within_its_bound_of_every_logit() -> None:
+    """The premise of the pick: each approximate logit lies within the bound of the
+    exact one (checked on every output of rows with large and small dimensions)."""
+    weights = lm_head(scaled8_weight(VOCAB, HIDDEN, seed=12), ORDERS[0])
+    hidden = hidden_states(9, seed=13)
+    rows = hidden.shape[0]
+    workers = torch.get_num_threads()
+    scratch = cpu_argmax.Scratch.of(rows, HIDDEN, VOCAB, workers)
+    cpu_argmax.lm_head_argmax(hidden, weights, scratch)
+    approx = scratch.approx.reshape(rows, VOCAB).astype(np.float64)
+    exact = hidden.double().numpy() @ weights.grid.dense().double().numpy().T
+    bound = scratch.errors.astype(np.float64) @ weights.bounds.astype(np.float64).T
+    bound += scratch.margins.astype(np.float64)[:, None]
+    assert (np.abs(approx - exact) <= bound).all()
+    # ... and close enough to leave few outputs to check: on average within 5% of the
+    # row's largest logit
+    assert (bound.mean(axis=1) < 0.05 * np.abs(exact).max(axis=1)).all()
