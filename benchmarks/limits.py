@@ -116,9 +116,16 @@ def layer_flops_per_token(model) -> int:
 
 
 @torch.inference_mode()
-def lm_head_seconds(model, rows: int, repeats: int = 3) -> float:
-    """The vocabulary projection of `rows` hidden states, as the model computes it."""
+def lm_head_seconds(model, rows: int, repeats: int = 3, greedy: bool = False) -> float:
+    """The vocabulary projection of `rows` hidden states, as the model computes it: their
+    logits, or for greedy rows (greedy) their argmax, which the model may pick without
+    the logits (`kernels.cpu_argmax`: its time on random rows is that on the model's own
+    within a few percent)."""
     hidden = torch.randn(rows, model.config.hidden_size, dtype=model.embed_tokens.weight.dtype)
+    if greedy and getattr(model, "lm_head_argmax", None) is not None:
+        from pagedinfer.kernels import cpu_argmax
+
+        return _best_time(lambda: cpu_argmax.lm_head_argmax(hidden, model.lm_head_argmax), repeats)
     return _best_time(lambda: model.compute_logits(hidden), repeats)
 
 

@@ -287,8 +287,10 @@ def gemm_limits(
 ) -> dict:
     """The model's GEMMs alone (see limits.py), in the paged run's own passes (and the
     speculative run's, when given: each (tokens, logits rows)); and the floors for any
-    engine on this machine's libraries: the GEMMs of any schedule of the workload, plus
-    its decode attention.
+    engine on this machine's libraries that computes the logits of each output token:
+    the GEMMs of any schedule of the workload, plus its decode attention. (This engine
+    picks a greedy row's token without most of its logits, `kernels.cpu_argmax`, so its
+    LM head can go below the floor's.)
 
     Ceilings are against the best matmul rate seen around and in the GEMM timings.
     """
@@ -304,9 +306,11 @@ def gemm_limits(
     rate_before = matmul_gflops(dtype)
     curve = limits.gemm_curve(model, grid(tokens))
     lm_curve = {r: limits.lm_head_seconds(model, r) for r in sorted(grid(rows))}
+    # The runs' rows are greedy: the model picks their tokens, maybe without the logits.
+    pick_curve = {r: limits.lm_head_seconds(model, r, greedy=True) for r in sorted(set(rows))}
 
     def in_passes(run: list[tuple[int, int]]) -> float:
-        return sum(curve[m] for m, _ in run) + sum(lm_curve[r] for _, r in run if r)
+        return sum(curve[m] for m, _ in run) + sum(pick_curve[r] for _, r in run if r)
 
     # The floor: every row count up to 32 (where the times move most), then a sparser
     # grid; past the largest point measured, the best rate's line bounds the cost.
