@@ -61,7 +61,7 @@ TILES = 2  # tiles per group
 # The most outputs a row may have to bound before its logits are computed in full (on the
 # benchmark's rows at most 11,477 passed the first, loose test; 161 the second).
 CANDIDATES = 16384
-_HUGE = np.float32(1e18)  # beyond this a hidden value could overflow a logit's fp32 sum
+_HUGE = np.float32(1e18)  # a row with a larger value is left for its logits: no overflow
 # The fp32 rounding of the exact logits (at most K * 2^-24 of sum |w h|, 3.4e-5 for
 # K = 576) and of the approximation (about 40 roundings), as a share of ||h|| * max ||w||.
 _ROUNDING = np.float32(2.0**-12)
@@ -222,7 +222,8 @@ def lm_head_argmax(
     tokens = np.empty(rows, np.int64)
     if rows:
         workers = torch.get_num_threads()
-        scratch = scratch or weights.pool.get(rows, workers)
+        if scratch is None:
+            scratch = weights.pool.get(rows, workers)
         kernel = argmax_kernel(weights.grid.in_features, weights.order)
         sync = np.zeros(2, np.int64)
         x = np.ascontiguousarray(hidden.detach().numpy(), dtype=np.float32)
@@ -431,7 +432,7 @@ def phase_kernels(
                 continue
             logits = approx[r].reshape(vocab)
             best = maxima[0, r, 0]
-            for w in range(maxima.shape[0]):
+            for w in range(workers):  # (a larger scratch has stale rows past them)
                 for lane in range(LANES):
                     best = max(best, maxima[w, r, lane])
             # Every output's bound is at most `widest`: an output more than twice that

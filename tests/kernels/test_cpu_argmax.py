@@ -4,6 +4,9 @@ pick is marked for its logits."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -42,17 +45,35 @@ def hidden_states(rows: int, seed: int) -> torch.Tensor:
     return x
 
 
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("order", ORDERS, ids=["one-fused-chain", "three-unfused-parts"])
 def test_the_token_is_the_argmax_of_the_full_logits(order, threads) -> None:
     weights = lm_head(scaled8_weight(VOCAB, HIDDEN, seed=1), order)
     hidden = hidden_states(70, seed=2)  # 11 passes of 6 rows and 4 rows left
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         tokens = cpu_argmax.lm_head_argmax(hidden, weights)
-    finally:
-        torch.set_num_threads(before)
+    np.testing.assert_array_equal(tokens.numpy(), full_argmax(hidden, weights))
+
+
+def test_a_scratch_kept_from_more_threads_gives_the_same_tokens() -> None:
+    """The weights keep their scratch from call to call: what workers of an earlier call
+    with more threads left in it is not read."""
+    weights = lm_head(scaled8_weight(VOCAB, HIDDEN, seed=14), ORDERS[0])
+    with torch_threads(3):
+        cpu_argmax.lm_head_argmax(hidden_states(8, seed=15) * 50, weights)
+    hidden = hidden_states(8, seed=16)
+    with torch_threads(1):
+        tokens = cpu_argmax.lm_head_argmax(hidden, weights)
     np.testing.assert_array_equal(tokens.numpy(), full_argmax(hidden, weights))
 
 
