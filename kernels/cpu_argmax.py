@@ -41,6 +41,7 @@ from pagedinfer.kernels import cpu_gemm
 from pagedinfer.kernels.cpu_numba import (
     Job,
     barrier,
+    int_stack_array,
     intrinsic,
     jit,
     lanes_copy,
@@ -555,41 +556,6 @@ def _int_lanes(t: Any) -> bool:
 def _lanes_pointer(context: Any, builder: Any, array_type: Any, array: Any, element: Any) -> Any:
     data = context.make_array(array_type)(context, builder, array).data
     return builder.bitcast(data, ir.VectorType(element, LANES).as_pointer())
-
-
-@intrinsic
-def int_stack_array(typingctx: Any, shape: Any) -> Any:
-    """`stack_array` of int32."""
-    if not (
-        isinstance(shape, types.BaseTuple)
-        and len(shape) > 0
-        and all(isinstance(n, types.IntegerLiteral) for n in shape)
-    ):
-        return None
-    from numba.np.arrayobj import make_array, populate_array
-
-    dims = [n.literal_value for n in shape]
-    array_type = types.Array(types.int32, len(dims), "C")
-    count = int(np.prod(dims))
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        i32 = ir.IntType(32)
-        with builder.goto_entry_block():
-            slot = builder.alloca(ir.ArrayType(i32, count))
-            slot.align = 64
-        intp = context.get_value_type(types.intp)
-        array = make_array(array_type)(context, builder)
-        populate_array(
-            array,
-            data=builder.bitcast(slot, i32.as_pointer()),
-            shape=[ir.Constant(intp, n) for n in dims],
-            strides=[ir.Constant(intp, 4 * int(np.prod(dims[i + 1 :]))) for i in range(len(dims))],
-            itemsize=ir.Constant(intp, 4),
-            meminfo=None,
-        )
-        return array._getvalue()
-
-    return array_type(shape), codegen
 
 
 @intrinsic

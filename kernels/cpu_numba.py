@@ -243,39 +243,50 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return _pool_of(workers - 1, os.getpid())
 
 
-@intrinsic
-def stack_array(typingctx: Any, shape: Any) -> Any:
-    """A float32 C-contiguous array of `shape` (a tuple of integer constants) in the
-    calling function's stack frame: one buffer per call site, allocated once per call of
-    that function, uninitialised. It must not outlive the function (never return it).
-    """
-    if not (
-        isinstance(shape, types.BaseTuple)
-        and len(shape) > 0
-        and all(isinstance(n, types.IntegerLiteral) for n in shape)
-    ):
-        return None
-    dims = [n.literal_value for n in shape]
-    array_type = types.Array(types.float32, len(dims), "C")
+def _stack_array_of(dtype: Any, element: ir.Type, name: str) -> Any:
+    """The intrinsic `name(shape)`: a C-contiguous array of `dtype` and `shape` (a tuple
+    of integer constants) in the calling function's stack frame: one buffer per call
+    site, allocated once per call of that function, uninitialised. It must not outlive
+    the function (never return it)."""
 
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        f32 = ir.FloatType()
-        with builder.goto_entry_block():
-            slot = builder.alloca(ir.ArrayType(f32, math.prod(dims)))
-            slot.align = 64  # whole cache lines: a 16-float row is one aligned vector
-        intp = context.get_value_type(types.intp)
-        array = make_array(array_type)(context, builder)
-        populate_array(
-            array,
-            data=builder.bitcast(slot, f32.as_pointer()),
-            shape=[ir.Constant(intp, n) for n in dims],
-            strides=[ir.Constant(intp, 4 * math.prod(dims[i + 1 :])) for i in range(len(dims))],
-            itemsize=ir.Constant(intp, 4),
-            meminfo=None,
-        )
-        return array._getvalue()
+    def definition(typingctx: Any, shape: Any) -> Any:
+        if not (
+            isinstance(shape, types.BaseTuple)
+            and len(shape) > 0
+            and all(isinstance(n, types.IntegerLiteral) for n in shape)
+        ):
+            return None
+        dims = [n.literal_value for n in shape]
+        array_type = types.Array(dtype, len(dims), "C")
+        size = dtype.bitwidth // 8
 
-    return array_type(shape), codegen
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            with builder.goto_entry_block():
+                slot = builder.alloca(ir.ArrayType(element, math.prod(dims)))
+                slot.align = 64  # whole cache lines: a 16-lane row is one aligned vector
+            intp = context.get_value_type(types.intp)
+            array = make_array(array_type)(context, builder)
+            populate_array(
+                array,
+                data=builder.bitcast(slot, element.as_pointer()),
+                shape=[ir.Constant(intp, n) for n in dims],
+                strides=[
+                    ir.Constant(intp, size * math.prod(dims[i + 1 :])) for i in range(len(dims))
+                ],
+                itemsize=ir.Constant(intp, size),
+                meminfo=None,
+            )
+            return array._getvalue()
+
+        return array_type(shape), codegen
+
+    definition.__name__ = definition.__qualname__ = name
+    return intrinsic(definition)
+
+
+# stack_array(shape): float32; int_stack_array(shape): int32 (`_stack_array_of`).
+stack_array = _stack_array_of(types.float32, ir.FloatType(), "stack_array")
+int_stack_array = _stack_array_of(types.int32, ir.IntType(32), "int_stack_array")
 
 
 def _is_lanes(t: Any) -> bool:
