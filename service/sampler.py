@@ -116,16 +116,16 @@ class Sampler:
             raise ValueError(f"tokens must be [{len(rows)}], got {tuple(tokens.shape)}")
         params = [row.params for row in rows]
         picked = None if tokens is None else tokens >= 0
-        if picked is not None and bool(picked.all()):
-            token_ids = tokens.clone()
+        given = [] if picked is None else picked.tolist()
+        if not all(argmax_only(p) for p, g in zip(params, given, strict=False) if g):
+            raise ValueError("tokens: a row that needs its logits was given a token")
+        if given and all(given):
+            token_ids = tokens
         elif all(is_greedy(p) and not has_penalties(p) for p in params):
             token_ids = greedy_tokens(logits)
         else:
             token_ids = self._sample(logits, rows)
         if picked is not None:
-            given = picked.tolist()
-            if not all(argmax_only(p) for p, g in zip(params, given, strict=True) if g):
-                raise ValueError("tokens: a row that needs its logits was given a token")
             token_ids = torch.where(picked, tokens, token_ids)
         return _build_results(logits, token_ids, params)
 
