@@ -237,6 +237,14 @@ def load_model(
         module.pack_weights()
     elif pack and cpu_mkl_packing_available(device, dtype):
         module.pack_weights_mkl()
+        if module.fused is not None:
+            logger.info(
+                "fused step: steps of up to %d tokens in one compiled call; greedy tokens %s",
+                module.fused.max_tokens,
+                "picked without their logits (AVX-512 VNNI)"
+                if module.fused.argmax is not None
+                else "from their logits (no AVX-512 VNNI)",
+            )
 
     tokenizer = _load_tokenizer(path)
     if not config.eos_token_ids:

@@ -4,6 +4,7 @@ and the KV cache of the pass layer by layer, bit for bit."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 import pytest
@@ -268,13 +269,22 @@ def test_weights_off_a_grid_or_with_biases_get_no_fused_step() -> None:
     assert grid_model(seed=1, pack=False, attention_bias=True)._grids() is None
 
 
-def test_the_default_model_takes_the_fused_step_with_the_same_logits(default_model_dir) -> None:
+def test_the_default_model_takes_the_fused_step_with_the_same_logits(
+    default_model_dir, caplog: pytest.LogCaptureFixture
+) -> None:
     """SmolLM2 from its GGUF file: every GEMM weight on its Q4_1 or Q8_0 grid, one decode
-    and a sequence verifying a 4-token draft in one fused step."""
+    and a sequence verifying a 4-token draft in one fused step; the load says so."""
     from pagedinfer.service.loader import load_model
 
-    model = load_model(str(default_model_dir)).model
+    with caplog.at_level(logging.INFO, logger="pagedinfer.service.loader"):
+        model = load_model(str(default_model_dir)).model
     assert model.fused is not None
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fused step")]
+    how = "picked without their logits" if cpu_argmax.fast() else "from their logits"
+    assert said == [
+        f"fused step: steps of up to {model.fused.max_tokens} tokens in one compiled call; "
+        f"greedy tokens {how} ({'AVX-512 VNNI' if cpu_argmax.fast() else 'no AVX-512 VNNI'})"
+    ]
     assert model.fused.kinds == ("affine4",) * 4 + ("scaled8",)
     base = prefilled(model, [37, 120])
     chunks = [(0, [1000], 37), (1, [5, 6, 7, 8, 9], 120)]
