@@ -116,11 +116,6 @@ class ArgmaxWeights:
             pool=ScratchPool(k, grid.out_features),
         )
 
-    @property
-    def nbytes(self) -> int:
-        arrays = (self.codes, self.offsets, self.scales, self.bounds, self.bounds_max)
-        return sum(a.nbytes for a in arrays)
-
 
 def _rounded_up(x: np.ndarray) -> np.ndarray:
     """x (float64) as fp32, never below it."""
