@@ -122,7 +122,7 @@ def lm_head_seconds(model, rows: int, repeats: int = 3, greedy: bool = False) ->
     the logits (`kernels.cpu_argmax`: its time on random rows is that on the model's own
     within a few percent)."""
     hidden = torch.randn(rows, model.config.hidden_size, dtype=model.embed_tokens.weight.dtype)
-    if greedy and getattr(model, "lm_head_argmax", None) is not None:
+    if greedy and model.lm_head_argmax is not None:
         from pagedinfer.kernels import cpu_argmax
 
         return _best_time(lambda: cpu_argmax.lm_head_argmax(hidden, model.lm_head_argmax), repeats)
