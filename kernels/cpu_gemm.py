@@ -10,9 +10,13 @@ weight and keeps it in 5 (4-bit) or 9 (8-bit) bits a weight instead of 32.
 Why it pays: a decode step of a few tokens reads every weight once and does little with
 it, so its GEMMs take as long as reading 538 MB of fp32 weights. SmolLM2's grids hold
 the same values in 98 MB (LM head included); `gemm` rebuilds each weight in registers
-(two rounded operations, as the dequantisation did) and multiplies in fp32. Its 30
-layers' GEMMs took 8.1 ms at 1 row, 10.7 at 4 and 14.6 at 8, against 14-20, 19-25 and
-22-28 ms for MKL's packed sgemm (2 threads, weights from memory).
+(one fused multiply-add with its block's scales, which gives the dequantisation's bits:
+d * q is exact in fp32) and multiplies in fp32. On an Intel Xeon its 30 layers' GEMMs
+took 8.1 ms at 1 row, 10.7 at 4 and 14.6 at 8, against 14-20, 19-25 and 22-28 ms for
+MKL's packed sgemm (2 threads, weights from memory). On an AMD EPYC, one call on 2
+workers, rebuilding with a multiply and an add and the scales converted at every input,
+they took 5.3 ms at 1 row, 7.3 at 4 and 11.7 at 8; with one fused multiply-add and the
+scales converted once a block, 3.7, 6.3 and 10.1.
 
 Same bits: MKL's packed sgemm sums each output over K in parts, each one chain from 0
 in K order, and then adds the parts in order (a `SumOrder`). Where the parts end, and
@@ -49,9 +53,9 @@ from llvmlite import ir
 from numba.core import types
 
 from pagedinfer.kernels.cpu_numba import (
-    EXACT,
     FASTMATH,
     Job,
+    fma_ir,
     intrinsic,
     jit,
     lanes_add,
@@ -68,19 +72,16 @@ GRID_BLOCK = 32  # inputs sharing one scale (and offset), as in GGUF's Q4_1 and 
 # tiles it works on at once: enough independent chains to hide the FMA latency, few
 # enough that the accumulators stay in the 32 vector registers (measured on SmolLM2's
 # 30 layers, 2 threads: 8.1 ms at 1 row, 10.7 at 4, 14.6 at 8 with 2 tiles, 32.5 with 4).
+# From 4 rows two tiles at a time: the four tiles' accumulators, weights and scales no
+# longer fit (an AMD EPYC, 30 layers' GEMMs in one call on 2 workers: 4 rows 6.3 ms on
+# two tiles against 8.1-8.8 on four; 3 rows 5.0 against 5.7).
 MAX_ROWS = 8
 TILE_GROUP = 4  # tiles per group; kernels of more than WIDE_ROWS rows take half of it
-WIDE_ROWS = 5
+WIDE_ROWS = 3
 # The most rows a call may take from the grid (`rows_faster` picks how many do on the
 # machine at hand), and the row counts it times.
 GRID_MAX_ROWS = 512
 TIMED_ROWS = (16, 32, 64, 128, 256, 512)
-# From this many rows a GEMM's tile groups that do not divide evenly among the workers are
-# split by rows (SmolLM2's o and down GEMMs have 9 groups: on 2 workers 5 against 4). On
-# an AMD EPYC, 2 workers, those GEMMs ran 7-12% faster at 512 rows and 3-8% at 160, but
-# 5-6% slower at 64 (likely because the first worker starts before the others, which the
-# extra group made up for).
-SPLIT_ROWS = 128
 # Each count is timed over about the work of every GEMM given at this many rows: all of
 # them up to it, fewer past it (at 512 rows all of SmolLM2's layers took 2.3 s to time).
 TIMED_WORK_ROWS = 64
@@ -256,11 +257,36 @@ def _fp16_neighbours(x: np.ndarray) -> tuple[np.ndarray, ...]:
 
 
 @intrinsic
-def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, scales: Any, sat: Any) -> Any:
-    """The weights of one step of the inputs for one tile, rebuilt as
-    fp32(d * q) + m, each operation rounded once (as the dequantisation rounded them):
-    4-bit: w[0] and w[1] from the 16 bytes codes[at:] (inputs 2p and 2p + 1); 8-bit:
-    w[0] from codes[at:]; rebuilt: w[0] is the 16 fp32 values codes[at:], as they are. d, m: the 2 x 16 fp16 values scales[sat:]."""
+def _block_scales(typingctx: Any, dm: Any, scales: Any, sat: Any) -> Any:
+    """A block's scales as `_dequant` takes them: dm[0] = d and dm[1] = m, fp32, from the
+    2 x 16 fp16 values scales[sat:]."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        f32 = ir.VectorType(ir.FloatType(), LANES)
+        data = context.make_array(signature.args[1])(context, builder, args[1]).data
+        out = context.make_array(signature.args[0])(context, builder, args[0]).data
+        for i in range(2):
+            at = builder.add(args[2], ir.Constant(args[2].type, i * LANES))
+            pointer = builder.bitcast(
+                builder.gep(data, [at]), ir.VectorType(ir.IntType(16), LANES).as_pointer()
+            )
+            raw = builder.load(pointer, align=2)
+            value = builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), LANES)), f32)
+            target = builder.gep(out, [ir.Constant(ir.IntType(64), i * LANES)])
+            builder.store(value, builder.bitcast(target, f32.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.void(dm, scales, sat), codegen
+
+
+@intrinsic
+def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, dm: Any) -> Any:
+    """The weights of one step of the inputs for one tile, rebuilt as fp32(d * q) + m, each
+    operation rounded once as the dequantisation rounded them (d * q is exact in fp32: an
+    fp16 times a code of at most 8 bits, so one fused multiply-add gives the same bits):
+    4-bit: w[0] and w[1] from the 16 bytes codes[at:] (inputs 2p and 2p + 1); 8-bit: w[0]
+    from codes[at:]; d, m: dm[0] and dm[1] (`_block_scales`). Rebuilt: w[0] is the 16 fp32
+    values codes[at:], as they are (dm unused)."""
     if not isinstance(kind, types.StringLiteral):
         return None
     affine = kind.literal_value == AFFINE4
@@ -275,17 +301,14 @@ def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, scales: Any
             pointer = builder.gep(data, [offset])
             return builder.bitcast(pointer, ir.VectorType(element, LANES).as_pointer())
 
-        def half_lanes(offset: Any) -> Any:
-            raw = builder.load(vector_at(4, offset, ir.IntType(16)), align=2)
-            return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), LANES)), f32)
-
         out = context.make_array(signature.args[0])(context, builder, args[0])
         if rebuilt:
             value = builder.load(vector_at(2, args[3], ir.FloatType()), align=4)
             builder.store(value, builder.bitcast(out.data, f32.as_pointer()), align=4)
             return context.get_dummy_value()
-        d = half_lanes(args[5])
-        m = half_lanes(builder.add(args[5], ir.Constant(args[5].type, LANES)))
+        zero = ir.Constant(ir.IntType(64), 0)
+        d = builder.load(vector_at(4, zero, ir.FloatType()), align=4)
+        m = builder.load(vector_at(4, ir.Constant(ir.IntType(64), LANES), ir.FloatType()), align=4)
         raw = builder.load(vector_at(2, args[3], ir.IntType(8)), align=1)
         if affine:
             wide = builder.zext(raw, i32)
@@ -296,14 +319,12 @@ def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, scales: Any
         else:
             codes = [builder.sext(raw, i32)]
         for i, code in enumerate(codes):
-            value = builder.fadd(
-                builder.fmul(builder.sitofp(code, f32), d, flags=EXACT), m, flags=EXACT
-            )
+            value = fma_ir(builder, builder.sitofp(code, f32), d, m)
             target = builder.gep(out.data, [ir.Constant(ir.IntType(64), i * LANES)])
             builder.store(value, builder.bitcast(target, f32.as_pointer()), align=4)
         return context.get_dummy_value()
 
-    return types.void(w, kind, codes, at, scales, sat), codegen
+    return types.void(w, kind, codes, at, dm), codegen
 
 
 @functools.cache
@@ -337,6 +358,7 @@ def gemm_kernel(
         total = stack_array((tb, rows, LANES))
         acc = stack_array((tb, rows, LANES))
         w = stack_array((tb, 2, LANES))
+        dm = stack_array((tb, 2, LANES))
         for group in range(worker, tiles // tb, workers):
             t0 = group * tb
             for b in range(tb):
@@ -349,11 +371,13 @@ def gemm_kernel(
                     for r in range(rows):
                         lanes_copy(acc[b, r], 0.0, LANES)
                 for i in range(start, end, steps):
+                    if i % GRID_BLOCK == 0 or i == start:
+                        for b in range(tb):
+                            sat = ((t0 + b) * blocks + i // GRID_BLOCK) * 2 * LANES
+                            _block_scales(dm[b], scales, sat)
                     for b in range(tb):
-                        t = t0 + b
-                        at = t * code_row + i // steps * LANES
-                        sat = (t * blocks + i // GRID_BLOCK) * 2 * LANES
-                        _dequant(w[b], kind, codes, at, scales, sat)
+                        at = (t0 + b) * code_row + i // steps * LANES
+                        _dequant(w[b], kind, codes, at, dm[b])
                     for h in range(steps):
                         for r in range(rows):
                             xr = x[r0 + r, i + h]
@@ -410,24 +434,29 @@ def gemm_all_rows(
         if m <= MAX_ROWS:
             one_pass(m, x, 0, codes, scales, out, 0, tiles, add, worker, workers)
             return
-        # Tasks: whole groups; from SPLIT_ROWS rows only while they divide evenly among
-        # the workers, and each group left over then goes to every worker, each taking
-        # its share of the row blocks.
+        # Tasks: whole groups, while they divide evenly among the workers; each group left
+        # over goes to every worker, each taking its share of the row blocks (SmolLM2's o
+        # and down GEMMs have 9 groups: on 2 workers 5 against 4 whole ones). On an AMD
+        # EPYC, 2 workers, 30 layers' GEMMs in one call (as the fused step runs them) took
+        # 19.7 against 20.2 ms at 16 rows, 34.9 against 36.1 at 32, 65.7 against 67.9 at
+        # 64. Called one at a time, the split lost at 64 rows: the first worker starts
+        # some 60 us before the other, which the extra group made up for.
         groups = tiles // TILE_GROUP
-        whole = groups - groups % workers if m >= SPLIT_ROWS else groups
+        whole = groups - groups % workers
         w = stack_array((TILE_GROUP, k, LANES))
+        dm = stack_array((2, LANES))
         for task in range(worker, whole + (groups - whole) * workers, workers):
             group, first_row, row_step = task, 0, MAX_ROWS
             if task >= whole:
                 group = whole + (task - whole) // workers
                 first_row, row_step = worker * MAX_ROWS, workers * MAX_ROWS
             t0 = group * TILE_GROUP
-            for i in range(0, k, steps):
-                for b in range(TILE_GROUP):
-                    t = t0 + b
-                    at = (t * k + i) * LANES // steps
-                    sat = (t * blocks + i // GRID_BLOCK) * 2 * LANES
-                    _dequant(w[b, i:], kind, codes, at, scales, sat)
+            for b in range(TILE_GROUP):
+                t = t0 + b
+                for i0 in range(0, k, GRID_BLOCK):
+                    _block_scales(dm, scales, (t * blocks + i0 // GRID_BLOCK) * 2 * LANES)
+                    for i in range(i0, i0 + GRID_BLOCK, steps):
+                        _dequant(w[b, i:], kind, codes, (t * k + i) * LANES // steps, dm)
             for r0 in range(first_row, m, row_step):
                 rows = min(MAX_ROWS, m - r0)
                 over_scratch(rows, x, r0, w, scales, out, t0, TILE_GROUP, add, 0, 1)

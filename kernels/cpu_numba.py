@@ -343,8 +343,8 @@ def _lane_op(args: tuple[Any, ...], combine: Callable[..., Any]) -> Any:
 EXACT = ("afn",)
 
 
-def _fma(builder: Any, x: Any, a: Any, y: Any) -> Any:
-    """x * a + y, rounded once: llvm.fma on float vectors."""
+def fma_ir(builder: Any, x: Any, a: Any, y: Any) -> Any:
+    """x * a + y, rounded once: llvm.fma on float vectors (IR for intrinsics)."""
     name = f"llvm.fma.v{x.type.count}f32"
     function = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(x.type, [x.type] * 3), name
@@ -355,7 +355,7 @@ def _fma(builder: Any, x: Any, a: Any, y: Any) -> Any:
 @intrinsic
 def lanes_fma(typingctx: Any, y: Any, x: Any, a: Any, width: Any) -> Any:
     """y[:width] = x[:width] * a + y[:width], rounded once (a: lanes or a scalar)."""
-    return _lane_op((y, x, a, width), lambda b, y, x, a: _fma(b, x, a, y))
+    return _lane_op((y, x, a, width), lambda b, y, x, a: fma_ir(b, x, a, y))
 
 
 @intrinsic
@@ -374,7 +374,7 @@ def lanes_fma_where(typingctx: Any, y: Any, x: Any, a: Any, width: Any) -> Any:
 
     def combine(b: Any, y: Any, x: Any, a: Any) -> Any:
         nonzero = b.fcmp_ordered("!=", x, ir.Constant(x.type, None))
-        return b.select(nonzero, _fma(b, x, a, y), y)
+        return b.select(nonzero, fma_ir(b, x, a, y), y)
 
     return _lane_op((y, x, a, width), combine)
 

@@ -155,7 +155,8 @@ def test_the_grid_serves_as_many_rows_as_it_is_faster_at() -> None:
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_every_row_and_output_is_summed_once_however_the_workers_share_them(threads) -> None:
-    """Nine tile groups: past SPLIT_ROWS rows the groups left over are shared among the
+    """Nine tile groups, taken four tiles at a time (up to WIDE_ROWS rows), two at a time
+    (up to MAX_ROWS) or past MAX_ROWS rows whole, and the groups left over shared among the
     workers by rows. Every output is x @ W.T in the order, added once into out."""
     weight = affine4_weight(576, 256, seed=7)
     grid = cpu_gemm.to_grid(weight)
@@ -164,7 +165,8 @@ def test_every_row_and_output_is_summed_once_however_the_workers_share_them(thre
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for rows in (cpu_gemm.SPLIT_ROWS - 1, cpu_gemm.SPLIT_ROWS, cpu_gemm.SPLIT_ROWS + 13):
+        wide, most = cpu_gemm.WIDE_ROWS, cpu_gemm.MAX_ROWS
+        for rows in (1, wide, wide + 1, most, most + 1, most + 14):
             x = torch.randn(rows, 256, generator=generator)
             expected = cpu_gemm._emulate(weight.numpy(), x.numpy(), [order.ends], order.fused)[0]
             assert np.array_equal(cpu_gemm.grid_linear(x, grid, order).numpy(), expected), rows
