@@ -38,6 +38,10 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 1  # the shortest n-gram a draft may follow
     prompt_lookup_max: int = 3  # the longest, tried first
+    # Drafts only while at most this many requests are running. A pass of a full batch
+    # carries enough rows already: there a draft's rejected tokens cost a row each and
+    # its kept ones save a pass only for the longest requests (see spec_decode.py).
+    speculative_max_running: int = 16
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -59,6 +63,7 @@ class EngineConfig:
                 f"num_speculative_tokens must be an integer in [0, {MAX_SPECULATIVE_TOKENS}], "
                 f"got {self.num_speculative_tokens!r}"
             )
+        _positive("speculative_max_running", self.speculative_max_running)
         _positive("prompt_lookup_min", self.prompt_lookup_min)
         _positive("prompt_lookup_max", self.prompt_lookup_max)
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -167,6 +172,12 @@ def add_engine_arguments(parser) -> None:
         default=d.num_speculative_tokens,
         help="n-gram speculative decoding: draft up to this many tokens per decode from "
         "the sequence's own earlier tokens, verified in one pass (0 = off)",
+    )
+    g.add_argument(
+        "--speculative-max-running",
+        type=int,
+        default=d.speculative_max_running,
+        help="draft only while at most this many requests are running",
     )
     g.add_argument(
         "--prompt-lookup-min",

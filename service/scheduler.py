@@ -141,7 +141,10 @@ class Scheduler:
         # The tokens and blocks the running requests still need: a draft gets only what
         # they leave, so that it never costs anyone a step or a preemption.
         pending = pending_blocks = 0
-        if self.proposer is not None:
+        drafting = (
+            self.proposer is not None and len(self.running) <= self.config.speculative_max_running
+        )
+        if drafting:
             for r in self.running:
                 pending += r.num_tokens - r.num_computed_tokens
                 pending_blocks += self.kv_cache.num_new_blocks(
@@ -153,7 +156,7 @@ class Scheduler:
             need = request.num_tokens - request.num_computed_tokens
             num_tokens = min(need, budget)
             draft = []
-            if self.proposer is not None:
+            if drafting:
                 pending -= need
                 pending_blocks -= self.kv_cache.num_new_blocks(request, need)
                 draft = self._draft(request, budget - num_tokens - pending)
@@ -266,6 +269,8 @@ class Scheduler:
             if draft:
                 self.draft_tokens += len(draft)
                 self.accepted_draft_tokens += kept
+                assert self.proposer is not None
+                self.proposer.observe(request, len(draft), kept, self.config.num_speculative_tokens)
                 self.kv_cache.trim(request)  # blocks a rejected draft reached
             if request.num_output_tokens >= request.sampling_params.max_tokens:
                 self.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)

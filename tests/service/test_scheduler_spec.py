@@ -114,6 +114,39 @@ def test_without_speculation_no_request_gets_a_draft() -> None:
     assert item.draft_token_ids == [] and item.num_tokens == 1
 
 
+def test_drafts_wait_until_no_more_than_speculative_max_running_requests_run() -> None:
+    scheduler = make_scheduler(num_speculative_tokens=3, speculative_max_running=2)
+    prompts = {rid: ([1, 2, 3, 1, 2, 3, 1, 2], 3, 20) for rid in "abc"}
+    requests = admit(scheduler, prompts)
+    output = step(scheduler)  # three running: a full batch, no drafts
+    assert [s.draft_token_ids for s in output.scheduled] == [[], [], []]
+    scheduler.finish_request(requests[0].request_id, RequestStatus.FINISHED_ABORTED)
+    output = step(scheduler)  # two running: each drafts
+    assert [s.draft_token_ids for s in output.scheduled] == [[3, 2], [3, 2]]
+
+
+def test_a_rejection_shortens_the_requests_next_draft_and_full_acceptance_lengthens_it() -> None:
+    scheduler = make_scheduler(num_speculative_tokens=4)
+    prompt = [5, 1, 2, 3, 4, 9, 1, 2, 3, 4, 9, 1]
+    request = prefill(scheduler, "a", prompt, first=2, max_tokens=30)
+
+    def draft_then_sample(tokens: list[int]) -> list[int]:
+        output = scheduler.schedule()
+        draft = only(output, "a").draft_token_ids
+        scheduler.update_from_output(output, {"a": tokens})
+        return draft
+
+    # The tail [9, 1, 2] was followed by 3, 4, 9, 1; the model keeps 3 and picks 7.
+    assert draft_then_sample([3, 7]) == [3, 4, 9, 1]
+    assert draft_then_sample([1]) == []  # no n-gram of [.., 3, 7] occurred before
+    # [1] did, last followed by 2, 3, 7: one kept + 1 = 2 of them may go, kept whole.
+    assert draft_then_sample([2, 3, 4]) == [2, 3]
+    # [2, 3, 4] was last followed by 9, 1, 2, 3: one more than last time.
+    assert draft_then_sample([9, 1, 2, 3]) == [9, 1, 2]
+    assert draft_then_sample([4]) == [4, 9, 1, 2]  # up to num_speculative_tokens
+    assert request.num_output_tokens == 12
+
+
 @pytest.mark.parametrize(
     ("spec", "max_tokens", "expected"),
     [(4, 3, 1), (4, 2, 0), (4, 5, 3), (4, 9, 4), (2, 9, 2), (1, 9, 1)],

@@ -129,3 +129,23 @@ def test_incremental_lookups_agree_with_the_brute_force_rule(
             request.append_output_token(token)
         expected = reference_draft(request.all_token_ids, lookup_min, lookup_max, max_tokens)
         assert proposer.propose(request, max_tokens) == expected
+
+
+def test_observed_drafts_limit_the_next_one() -> None:
+    proposer = NgramProposer(lookup_min=1, lookup_max=3)
+    request = make_request([1, 2, 3, 4, 5, 6, 1, 2])
+    assert proposer.propose(request, 4) == [3, 4, 5, 6]
+    proposer.observe(request, drafted=4, kept=0, longest=4)
+    assert proposer.propose(request, 4) == [3]
+    proposer.observe(request, drafted=1, kept=1, longest=4)
+    assert proposer.propose(request, 4) == [3, 4]
+    proposer.observe(request, drafted=2, kept=2, longest=2)
+    assert proposer.propose(request, 4) == [3, 4]  # never past `longest`
+    assert proposer.propose(request, 1) == [3]  # nor past the caller's limit
+
+
+@pytest.mark.parametrize(("drafted", "kept"), [(0, 0), (2, 3), (2, -1)])
+def test_an_impossible_observation_is_refused(drafted: int, kept: int) -> None:
+    proposer = NgramProposer(lookup_min=1, lookup_max=3)
+    with pytest.raises(ValueError, match="kept"):
+        proposer.observe(make_request([1, 2, 1]), drafted, kept, longest=4)
