@@ -123,8 +123,8 @@ def fused_forward(
     scale: float,
     greedy: np.ndarray | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Every layer over the new tokens' hidden states [T, hidden] (the embeddings; updated
-    in place), then the final norm and LM head of rows logits_indices: fp32 logits
+    """Every layer over the new tokens' hidden states [T, hidden] (the embeddings; the
+    step's scratch after), then the final norm and LM head of rows logits_indices: fp32 logits
     [S, vocab], and with `greedy` (bool [S]: rows whose only use is their argmax) the
     argmax tokens int64 [S] that `cpu_argmax` picked for those rows (-1 for every other
     row), whose logits are then not computed. plan: the batch's
@@ -141,6 +141,11 @@ def fused_forward(
     if weights.argmax is not None and greedy is not None:
         picking = np.asarray(greedy, dtype=bool)
     full_rows, argmax_rows = rows[~picking], rows[picking]
+    # The last layer's attention output, MLP and residual matter only for the rows that
+    # go on to the LM head (a prompt's K/V is written before): those run on the rows
+    # kept, moved to the front, and the LM head reads them there.
+    kept = np.union1d(full_rows, argmax_rows).astype(np.int64)
+    full_at, argmax_at = np.searchsorted(kept, full_rows), np.searchsorted(kept, argmax_rows)
     full_logits = torch.empty(full_rows.shape[0], shape.vocab)
     argmax_normed = np.empty((argmax_rows.shape[0], shape.hidden), np.float32)
     picked = np.empty(argmax_rows.shape[0], np.int64)
@@ -191,11 +196,12 @@ def fused_forward(
         attn_out.numpy(),
         np.empty((tokens, 2 * shape.intermediate), np.float32),  # gate | up
         np.empty((tokens, shape.intermediate), np.float32),  # silu(gate) * up
-        full_rows,
+        kept,
+        full_at,
         np.empty((full_rows.shape[0], shape.hidden), np.float32),  # the rows for logits
         np.empty((full_rows.shape[0], shape.hidden), np.float32),  # ... normed
         full_logits.numpy(),
-        argmax_rows,
+        argmax_at,
         np.empty((argmax_rows.shape[0], shape.hidden), np.float32),  # the greedy rows
         argmax_normed,
         *argmax_args,
@@ -297,11 +303,12 @@ def _kernel(
         attn_out: np.ndarray,
         gate_up: np.ndarray,
         act: np.ndarray,
-        rows: np.ndarray,
+        kept: np.ndarray,
+        rows_at: np.ndarray,
         picked: np.ndarray,
         picked_normed: np.ndarray,
         logits: np.ndarray,
-        argmax_rows: np.ndarray,
+        argmax_at: np.ndarray,
         argmax_picked: np.ndarray,
         argmax_normed: np.ndarray,
         argmax_codes: np.ndarray,
@@ -332,7 +339,7 @@ def _kernel(
         qkv_out = qkv.reshape(tokens, qkv_tiles, lanes)
         gate_up_out = gate_up.reshape(tokens, gate_up_tiles, lanes)
         attn_rows = attn_out.reshape(tokens, nh * d)
-        logits_out = logits.reshape(rows.shape[0], vocab_tiles, lanes)
+        logits_out = logits.reshape(rows_at.shape[0], vocab_tiles, lanes)
         passed = 0
         # Each worker's share of the rows for the ops that work row by row.
         lo, hi = tokens * worker // workers, tokens * (worker + 1) // workers
@@ -374,15 +381,32 @@ def _kernel(
                 workers,
             )
             passed = barrier(sync, workers, passed)
-            o_gemm(attn_rows, o_codes[layer], o_scales[layer], hidden_out, True, worker, workers)
+            n = tokens
+            if layer == num_layers - 1 and kept.shape[0] < tokens:
+                n = kept.shape[0]
+                if worker == 0:  # kept[j] >= j: each row moves down, over rows no longer read
+                    for j in range(n):
+                        attn_rows[j] = attn_rows[kept[j]]
+                        hidden[j] = hidden[kept[j]]
+                passed = barrier(sync, workers, passed)
+                lo, hi = n * worker // workers, n * (worker + 1) // workers
+            o_gemm(
+                attn_rows[:n],
+                o_codes[layer],
+                o_scales[layer],
+                hidden_out[:n],
+                True,
+                worker,
+                workers,
+            )
             passed = barrier(sync, workers, passed)
             rms_norm(hidden[lo:hi], norms[layer, 1], eps, normed[lo:hi])
             passed = barrier(sync, workers, passed)
             gate_up_gemm(
-                normed,
+                normed[:n],
                 gate_up_codes[layer],
                 gate_up_scales[layer],
-                gate_up_out,
+                gate_up_out[:n],
                 False,
                 worker,
                 workers,
@@ -390,19 +414,27 @@ def _kernel(
             passed = barrier(sync, workers, passed)
             silu_mul(gate_up[lo:hi], act[lo:hi])
             passed = barrier(sync, workers, passed)
-            down_gemm(act, down_codes[layer], down_scales[layer], hidden_out, True, worker, workers)
+            down_gemm(
+                act[:n],
+                down_codes[layer],
+                down_scales[layer],
+                hidden_out[:n],
+                True,
+                worker,
+                workers,
+            )
             passed = barrier(sync, workers, passed)
         if worker == 0:
-            for i in range(rows.shape[0]):
-                picked[i] = hidden[rows[i]]
+            for i in range(rows_at.shape[0]):
+                picked[i] = hidden[rows_at[i]]
             rms_norm(picked, final_norm, eps, picked_normed)
-            for i in range(argmax_rows.shape[0]):
-                argmax_picked[i] = hidden[argmax_rows[i]]
+            for i in range(argmax_at.shape[0]):
+                argmax_picked[i] = hidden[argmax_at[i]]
             rms_norm(argmax_picked, final_norm, eps, argmax_normed)
         passed = barrier(sync, workers, passed)
-        if rows.shape[0]:
+        if rows_at.shape[0]:
             lm_gemm(picked_normed, lm_codes, lm_scales, logits_out, False, worker, workers)
-        if argmax_rows.shape[0]:
+        if argmax_at.shape[0]:
             quantize(
                 argmax_normed,
                 argmax_norm_max,

@@ -50,9 +50,10 @@ class PagedCache:
         model: LlamaModel,
         chunks: list[tuple[int, list[int], int]],
         greedy: torch.Tensor | None = None,
+        rows: list[int] | None = None,
     ) -> Logits:
-        """`step`'s forward, the model's output for every new token (greedy: bool, per
-        new token, as the model takes it)."""
+        """`step`'s forward, the model's output for every new token, or for the new tokens
+        at `rows` (greedy: bool, per such token, as the model takes it)."""
         ids, positions, slots, seq_ids, seq_lens, starts = [], [], [], [], [], [0]
         for seq, tokens, start in chunks:
             pos = torch.arange(start, start + len(tokens))
@@ -74,7 +75,7 @@ class PagedCache:
             torch.cat(positions),
             self.kv_caches,
             attn,
-            torch.arange(starts[-1]),
+            torch.arange(starts[-1]) if rows is None else torch.tensor(rows, dtype=torch.long),
             greedy,
         )
 

@@ -206,6 +206,32 @@ def test_a_row_comes_out_the_same_in_a_step_of_any_size(model: LlamaModel, threa
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("rows", [[1, 7, 40, 41], [41], []], ids=["some", "one", "none"])
+def test_rows_without_logits_skip_the_last_layers_mlp_and_change_nothing(
+    model: LlamaModel, rows: list[int]
+) -> None:
+    """Two prompt chunks and a decode with logits (and greedy tokens) for a few rows only:
+    the fused step runs the last layer's attention output and MLP for those rows alone,
+    and gives them the logits and tokens the layer-by-layer step gives, with the same
+    K/V."""
+    base = prefilled(model, [20, 5, 9], room=40)
+    chunks = [(0, [42], 20), (1, [3 + i % 40 for i in range(30)], 5), (2, [8] * 11, 9)]
+    greedy = torch.tensor([i % 2 == 0 for i in range(len(rows))], dtype=torch.bool)
+    fused_cache, layered_cache = base.copy(), base.copy()
+    saved = model.fused
+    try:
+        fused = fused_cache.forward(model, chunks, greedy, rows)
+        model.fused = None
+        layered = layered_cache.forward(model, chunks, greedy, rows)
+    finally:
+        model.fused = saved
+    full = ~greedy if fused.tokens is not None else torch.ones(len(rows), dtype=torch.bool)
+    assert torch.equal(fused.logits[full], layered.logits[full])
+    if fused.tokens is not None:
+        assert torch.equal(fused.tokens, layered.tokens)
+    assert fused_cache.equals(layered_cache)
+
+
 @pytest.mark.parametrize("length", [6, 90])
 def test_a_prompt_is_prefilled_in_one_fused_call(
     model: LlamaModel, monkeypatch: pytest.MonkeyPatch, length: int
