@@ -283,6 +283,8 @@ def test_n_samples_fork_correctly_when_the_prompts_last_chunk_drafts(
         ({"prompt_lookup_min": 0}, "prompt_lookup_min"),
         ({"prompt_lookup_max": 0}, "prompt_lookup_max"),
         ({"prompt_lookup_min": 4, "prompt_lookup_max": 3}, "prompt_lookup_min"),
+        ({"speculative_max_running": 0}, "speculative_max_running"),
+        ({"speculative_max_running": 1.5}, "speculative_max_running"),
     ],
 )
 def test_invalid_speculation_settings_name_the_field(kwargs: dict, field: str) -> None:
