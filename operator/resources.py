@@ -46,6 +46,7 @@ ENGINE_FLAGS = {
     "numSpeculativeTokens": "--num-speculative-tokens",
     "promptLookupMin": "--prompt-lookup-min",
     "promptLookupMax": "--prompt-lookup-max",
+    "speculativeMaxRunning": "--speculative-max-running",
 }
 
 

@@ -236,6 +236,7 @@ def test_server_args_the_operator_builds_are_accepted_by_pagedinfer_serve(full_b
         {"numSpeculativeTokens": 0},
         {"numSpeculativeTokens": 16, "promptLookupMin": 32, "promptLookupMax": 32},
         {"numSpeculativeTokens": 4, "promptLookupMin": 3},
+        {"numSpeculativeTokens": 4, "speculativeMaxRunning": 1},
     ],
 )
 def test_speculative_decoding_settings_the_crd_admits_start_the_server(engine, isvc_validator):
@@ -256,6 +257,7 @@ def test_speculative_decoding_settings_the_crd_admits_start_the_server(engine, i
     assert config.num_speculative_tokens == engine["numSpeculativeTokens"]
     assert config.prompt_lookup_min == engine.get("promptLookupMin", 1)
     assert config.prompt_lookup_max == engine.get("promptLookupMax", 3)
+    assert config.speculative_max_running == engine.get("speculativeMaxRunning", 16)
 
 
 # -- examples ----------------------------------------------------------------------

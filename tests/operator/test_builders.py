@@ -139,19 +139,30 @@ def test_engine_settings_become_server_flags() -> None:
 
 
 def test_speculative_decoding_settings_become_server_flags() -> None:
-    spec = {"engine": {"numSpeculativeTokens": 4, "promptLookupMin": 2, "promptLookupMax": 5}}
-    args = server_args(parse_spec(spec))
+    engine = {
+        "numSpeculativeTokens": 4,
+        "promptLookupMin": 2,
+        "promptLookupMax": 5,
+        "speculativeMaxRunning": 8,
+    }
+    args = server_args(parse_spec({"engine": engine}))
     flags = dict(zip(args[1::2], args[2::2], strict=False))
     assert flags["--num-speculative-tokens"] == "4"
     assert flags["--prompt-lookup-min"] == "2"
     assert flags["--prompt-lookup-max"] == "5"
+    assert flags["--speculative-max-running"] == "8"
 
 
 def test_speculative_decoding_off_is_passed_on_and_unset_is_left_to_the_server() -> None:
     off = server_args(parse_spec({"engine": {"numSpeculativeTokens": 0}}))
     assert off[off.index("--num-speculative-tokens") + 1] == "0"
     unset = server_args(parse_spec({"engine": {"maxNumSeqs": 8}}))
-    for flag in ("--num-speculative-tokens", "--prompt-lookup-min", "--prompt-lookup-max"):
+    for flag in (
+        "--num-speculative-tokens",
+        "--prompt-lookup-min",
+        "--prompt-lookup-max",
+        "--speculative-max-running",
+    ):
         assert flag not in unset
 
 

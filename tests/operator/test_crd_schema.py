@@ -192,6 +192,11 @@ INVALID = {
         "spec.engine.promptLookupMin",
         False,
     ),
+    "drafts with no request running": (
+        {"engine": {"speculativeMaxRunning": 0}},
+        "spec.engine.speculativeMaxRunning",
+        False,
+    ),
     "an n-gram longer than the bound": (
         {"engine": {"promptLookupMax": 33}},
         "spec.engine.promptLookupMax",
