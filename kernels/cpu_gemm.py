@@ -339,6 +339,7 @@ def gemm_kernel(
     `tiles_per_group(rows)`."""
     k, parts = in_features, len(ends)
     tb, steps = tiles_per_group(rows), 2 if kind == AFFINE4 else 1
+    scaled = kind != REBUILT  # rebuilt weights need no scales
     blocks = k // GRID_BLOCK
     code_row = k // steps * LANES  # codes of one tile
 
@@ -371,7 +372,7 @@ def gemm_kernel(
                     for r in range(rows):
                         lanes_copy(acc[b, r], 0.0, LANES)
                 for i in range(start, end, steps):
-                    if i % GRID_BLOCK == 0 or i == start:
+                    if scaled and (i % GRID_BLOCK == 0 or i == start):
                         for b in range(tb):
                             sat = ((t0 + b) * blocks + i // GRID_BLOCK) * 2 * LANES
                             _block_scales(dm[b], scales, sat)

@@ -20,8 +20,9 @@ of its n-grams, extended by the tokens appended since the last lookup, so a look
 costs a few dict reads however long the sequence is.
 
 How long a draft is, and when there is one at all. A draft token the model rejects
-costs a row of the pass and gains nothing, and on a CPU a row costs nearly as much in
-a full pass as in an empty one. A kept token saves the sequence a pass, which shortens
+costs a row of the pass and gains nothing, and on a CPU a row costs about as much
+whatever the pass (SmolLM2 on an AMD EPYC, 2 threads: each more row of a decode step
+took 1.5-1.9 ms from 1 row to 64). A kept token saves the sequence a pass, which shortens
 the run only for the requests that take the most passes. So:
 
 - each sequence's drafts follow how well its drafts did: after a rejection the next
