@@ -11,7 +11,8 @@ One kernel is compiled per (block size, heads, KV heads, head dim): with those f
 LLVM unrolls and vectorises the head-dim loops. Compiling takes a few seconds on first
 use; the result is cached on disk where the package directory (or NUMBA_CACHE_DIR) is
 writable. The kernel releases the GIL: the decodes, which the caller sorts by length,
-are dealt round-robin to as many threads as torch uses, so each gets a similar share.
+are dealt in a snake (`cpu_numba.snake_task`) to as many threads as torch uses, so each
+gets a similar share.
 
 Blocks lie anywhere in memory, so the hardware prefetcher loses the stream at every block
 boundary: while the kernel computes on one block it asks for the next block's rows
@@ -65,6 +66,7 @@ from pagedinfer.kernels.cpu_numba import (
     lanes_sum,
     prefetch,
     run_jobs,
+    snake_task,
     stack_array,
 )
 
@@ -179,7 +181,11 @@ def _kernel(
         bits = np.empty(max(slots, heads), dtype=np.int32)
         part = stack_array((DOT_PARTS,))
         num_seqs = rows.shape[0]
-        for s in range(worker, num_seqs, workers):
+        for turn in range((num_seqs + workers - 1) // workers):
+            s = snake_task(turn, worker, workers)
+            if s >= num_seqs:
+                continue
+            following = snake_task(turn + 1, worker, workers)  # this worker's next task
             length = seq_lens[s]
             query_row = rows[s]
             lanes_copy(m[:nh], -np.inf, nh)
@@ -197,8 +203,8 @@ def _kernel(
                 upcoming = block
                 if b + 1 < num_blocks:
                     upcoming = block_tables[s, b + 1]
-                elif s + workers < num_seqs:
-                    upcoming = block_tables[s + workers, 0]
+                elif following < num_seqs:
+                    upcoming = block_tables[following, 0]
                 kb, vb = k_cache[block], v_cache[block]
                 k_next, v_next = k_cache[upcoming], v_cache[upcoming]
                 for t in range(n):

@@ -67,6 +67,7 @@ from pagedinfer.kernels.cpu_numba import (
     lanes_mul,
     prefetch,
     run_jobs,
+    snake_task,
     stack_array,
 )
 
@@ -219,7 +220,11 @@ def _kernel(
         bits = np.empty(rows_needed * LANES, dtype=np.int32)
         length_of = np.empty(LANES, dtype=np.int64)  # lane -> its token's length
         num_runs = rows.shape[0]
-        for run in range(worker, num_runs, workers):
+        for turn in range((num_runs + workers - 1) // workers):
+            run = snake_task(turn, worker, workers)
+            if run >= num_runs:
+                continue
+            following = snake_task(turn + 1, worker, workers)  # this worker's next task
             first, count, length = rows[run], counts[run], seq_lens[run]
             for kh in range(nkv):
                 for j in range(d):
@@ -245,8 +250,8 @@ def _kernel(
                 upcoming = block
                 if b + 1 < num_blocks:
                     upcoming = block_tables[run, b + 1]
-                elif run + workers < num_runs:
-                    upcoming = block_tables[run + workers, 0]
+                elif following < num_runs:
+                    upcoming = block_tables[following, 0]
                 k_next, v_next = k_cache[upcoming], v_cache[upcoming]
                 kb, vb = k_cache[block], v_cache[block]
                 # Positions every lane sees; the rest are the run's own later tokens.

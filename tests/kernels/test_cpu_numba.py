@@ -65,6 +65,27 @@ def _prefetch_then_sum(x: np.ndarray, indices: np.ndarray) -> float:
     return x.sum()
 
 
+@pytest.mark.parametrize("workers", [1, 2, 3, 4])
+def test_a_snake_deal_gives_every_task_to_one_worker(workers: int) -> None:
+    for tasks in range(13):
+        turns = (tasks + workers - 1) // workers
+        dealt = [
+            [
+                t
+                for t in (cpu_numba.snake_task(turn, w, workers) for turn in range(turns))
+                if t < tasks
+            ]
+            for w in range(workers)
+        ]
+        assert sorted(t for share in dealt for t in share) == list(range(tasks))
+
+
+def test_a_snake_deal_evens_out_tasks_sorted_by_cost() -> None:
+    costs = list(range(32, 0, -1))  # largest first, as the attention plans sort them
+    shares = [sum(costs[cpu_numba.snake_task(turn, w, 2)] for turn in range(16)) for w in range(2)]
+    assert shares == [264, 264]  # round-robin: 272 against 256
+
+
 def test_prefetch_is_only_a_hint_even_far_outside_the_array() -> None:
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
     indices = np.array([0, 11, 12, -1, 1 << 40, -(1 << 40)], dtype=np.int64)
