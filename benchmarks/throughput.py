@@ -28,6 +28,7 @@ from pathlib import Path
 
 import limits
 import numpy as np
+import step_profile
 import torch
 
 from pagedinfer.service.config import EngineConfig
@@ -573,6 +574,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="skip timing the model's GEMMs alone (the floor for any schedule)",
     )
+    ap.add_argument(
+        "--no-step-profile",
+        action="store_true",
+        help="skip profiling the paged_spec run's compiled steps phase by phase",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.repeats < 1:
@@ -704,6 +710,15 @@ def main(argv: list[str] | None = None) -> int:
             results["gemm_limits"] = gemm_limits(wl, engine, passes, spec_passes)
             rates.append(results["gemm_limits"]["matmul_gflops_now"])
             say(json.dumps(results["gemm_limits"]))
+        if first and "paged_spec" in systems and not args.no_step_profile:
+            say("profiling the paged_spec run's steps ...")
+            cfg = EngineConfig(
+                **{**base.__dict__, "num_speculative_tokens": args.num_speculative_tokens}
+            )
+            results["step_profile"] = step_profile.profile_run(
+                wl.prompts, wl.output_lens, cfg, warm.prompts, warm.output_lens, max(rates)
+            )
+            say(json.dumps(results["step_profile"]))
     hf_static_model = None
     for name in systems:
         results[name]["runs_seconds"] = runs[name]

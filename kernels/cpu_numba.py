@@ -481,6 +481,26 @@ def atomic_load(typingctx: Any, array: Any, index: Any) -> Any:
 
 
 @intrinsic
+def cycle_counter(typingctx: Any) -> Any:
+    """The CPU's cycle counter, for timing phases inside a kernel (x86: the time-stamp
+    counter, which counts at a constant rate whatever the clock; `cycles` reads it from
+    Python, to relate it to seconds)."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        fnty = ir.FunctionType(ir.IntType(64), [])
+        counter = cgutils.get_or_insert_function(builder.module, fnty, "llvm.readcyclecounter")
+        return builder.call(counter, [])
+
+    return types.int64(), codegen
+
+
+@numba.njit(nogil=True)
+def cycles() -> int:
+    """`cycle_counter`, read from Python."""
+    return cycle_counter()
+
+
+@intrinsic
 def spin_pause(typingctx: Any) -> Any:
     """The CPU's spin-wait hint (x86 `pause`): a waiting loop yields the core's pipeline."""
 

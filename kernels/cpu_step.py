@@ -30,7 +30,44 @@ import numpy as np
 import torch
 
 from pagedinfer.kernels import cpu_argmax, cpu_decode, cpu_gemm, cpu_layer, cpu_verify
-from pagedinfer.kernels.cpu_numba import Job, barrier, jit, run_jobs
+from pagedinfer.kernels.cpu_numba import Job, barrier, cycle_counter, jit, run_jobs
+
+# The phases of a step, as `fused_forward` profiles them: each ends where the workers meet
+# at a barrier (the wait there is the phase's too). "start" is the first layer's norm, where
+# the first worker waits for the others to reach the kernel; "rows" moves the rows that
+# reach the LM head to the front before the last layer's MLP; "lm_head" is the logits of
+# the rows that need them and the 8-bit codes of the greedy rows; "approximate" and "pick"
+# are `cpu_argmax`'s other phases.
+PHASES = (
+    "start",
+    "norm",
+    "qkv",
+    "rope",
+    "attention",
+    "rows",
+    "o",
+    "gate_up",
+    "silu",
+    "down",
+    "lm_head",
+    "approximate",
+    "pick",
+)
+(
+    _START,
+    _NORM,
+    _QKV,
+    _ROPE,
+    _ATTENTION,
+    _ROWS,
+    _O,
+    _GATE_UP,
+    _SILU,
+    _DOWN,
+    _LM_HEAD,
+    _APPROXIMATE,
+    _PICK,
+) = range(len(PHASES))
 
 
 @dataclass(frozen=True)
@@ -122,14 +159,18 @@ def fused_forward(
     logits_indices: torch.Tensor,
     scale: float,
     greedy: np.ndarray | None = None,
+    profile: np.ndarray | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every layer over the new tokens' hidden states [T, hidden] (the embeddings; the
     step's scratch after), then the final norm and LM head of rows logits_indices: fp32 logits
     [S, vocab], and with `greedy` (bool [S]: rows whose only use is their argmax) the
     argmax tokens int64 [S] that `cpu_argmax` picked for those rows (-1 for every other
     row), whose logits are then not computed. plan: the batch's
-    `torch_ops.AttentionPlan` with compiled decodes and no padded groups. Raises
-    ValueError for a slot past the cache's end."""
+    `torch_ops.AttentionPlan` with compiled decodes and no padded groups. profile: None,
+    or int64 [workers or more, len(PHASES), 2], to which each worker adds the cycles
+    (`cpu_numba.cycle_counter`) it spent in each phase, working and then waiting for the
+    others (a kernel compiled with the counters; without them it is the same code as
+    before they were added). Raises ValueError for a slot past the cache's end."""
     tokens = hidden.shape[0]
     qkv_width = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
     q_width = shape.num_heads * shape.head_dim
@@ -158,6 +199,15 @@ def fused_forward(
     else:
         argmax_args = cpu_argmax.no_args()
     sync = np.zeros(2, dtype=np.int64)  # arrivals at barriers; a bad slot's token + 1
+    if profile is not None and (
+        profile.dtype != np.int64
+        or profile.shape[0] < workers
+        or profile.shape[1:] != (len(PHASES), 2)
+    ):
+        raise ValueError(
+            f"profile must be int64 [{workers} or more, {len(PHASES)}, 2], got "
+            f"{profile.dtype} {profile.shape}"
+        )
     decodes, runs = plan.decodes, plan.runs
     empty_rows, empty_table = np.zeros(0, np.int64), np.zeros((0, 1), np.int32)
     empty_ints = np.zeros(0, np.int32)
@@ -207,8 +257,9 @@ def fused_forward(
         *argmax_args,
         picked,
         sync,
+        _NO_PROFILE if profile is None else profile,
     )
-    step = _kernel(shape, weights.kinds, weights.orders, len(kv_caches))
+    step = _kernel(shape, weights.kinds, weights.orders, len(kv_caches), profile is not None)
     run_jobs([Job(step, args, workers)])
     if sync[1]:
         token = int(sync[1]) - 1
@@ -236,14 +287,19 @@ def fused_forward(
     return logits, torch.from_numpy(argmax)
 
 
+_NO_PROFILE = np.zeros((1, len(PHASES), 2), dtype=np.int64)
+
+
 @functools.cache
 def _kernel(
     shape: StepShape,
     kinds: tuple[str, ...],
     orders: tuple[cpu_gemm.SumOrder, ...],
     num_layers: int,
+    profiled: bool = False,
 ) -> Callable[..., None]:
-    """The compiled step for one model shape (compiled, or loaded from the cache, on first call)."""
+    """The compiled step for one model shape (compiled, or loaded from the cache, on first
+    call); profiled: counting each phase's cycles into its `prof` argument."""
     nh, nkv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
     hidden_tiles = shape.hidden // cpu_gemm.LANES
     qkv_tiles = (nh + 2 * nkv) * d // cpu_gemm.LANES
@@ -268,6 +324,28 @@ def _kernel(
         cpu_layer._rope_write_kv,
         cpu_layer._silu_mul,
     )
+
+    @jit(inline="always", nogil=True)
+    def end_phase(
+        sync: np.ndarray,
+        workers: int,
+        passed: int,
+        prof: np.ndarray,
+        worker: int,
+        phase: int,
+        mark: int,
+    ) -> tuple[int, int]:
+        """The barrier that ends a phase, and with `profiled` the cycles from `mark` to the
+        barrier (working) and in it (waiting); returns the barrier count and a new mark."""
+        arrived = mark
+        if profiled:
+            arrived = cycle_counter()
+            prof[worker, phase, 0] += arrived - mark
+        passed = barrier(sync, workers, passed)
+        if profiled:
+            mark = cycle_counter()
+            prof[worker, phase, 1] += mark - arrived
+        return passed, mark
 
     @jit(nogil=True, error_model="numpy")
     def step(
@@ -331,9 +409,11 @@ def _kernel(
         exact: np.ndarray,
         tokens_out: np.ndarray,
         sync: np.ndarray,
+        prof: np.ndarray,
         worker: int,
         workers: int,
     ) -> None:
+        mark = cycle_counter() if profiled else 0
         tokens = hidden.shape[0]
         hidden_out = hidden.reshape(tokens, hidden_tiles, lanes)
         qkv_out = qkv.reshape(tokens, qkv_tiles, lanes)
@@ -346,9 +426,11 @@ def _kernel(
         for layer in range(num_layers):
             k_cache, v_cache = k_caches[layer], v_caches[layer]
             rms_norm(hidden[lo:hi], norms[layer, 0], eps, normed[lo:hi])
-            passed = barrier(sync, workers, passed)
+            passed, mark = end_phase(
+                sync, workers, passed, prof, worker, _START if layer == 0 else _NORM, mark
+            )
             qkv_gemm(normed, qkv_codes[layer], qkv_scales[layer], qkv_out, False, worker, workers)
-            passed = barrier(sync, workers, passed)
+            passed, mark = end_phase(sync, workers, passed, prof, worker, _QKV, mark)
             cache_rows = k_cache.shape[0] * k_cache.shape[1]
             bad = rope_write_kv(
                 qkv[lo:hi],
@@ -361,7 +443,7 @@ def _kernel(
             )
             if bad >= 0 and sync[1] == 0:
                 sync[1] = lo + bad + 1  # a bad token (the workers' own first ones race)
-            passed = barrier(sync, workers, passed)
+            passed, mark = end_phase(sync, workers, passed, prof, worker, _ROPE, mark)
             if sync[1] != 0:
                 return
             decode(
@@ -380,7 +462,7 @@ def _kernel(
                 worker,
                 workers,
             )
-            passed = barrier(sync, workers, passed)
+            passed, mark = end_phase(sync, workers, passed, prof, worker, _ATTENTION, mark)
             n = tokens
             if layer == num_layers - 1 and kept.shape[0] < tokens:
                 n = kept.shape[0]
@@ -388,7 +470,7 @@ def _kernel(
                     for j in range(n):
                         attn_rows[j] = attn_rows[kept[j]]
                         hidden[j] = hidden[kept[j]]
-                passed = barrier(sync, workers, passed)
+                passed, mark = end_phase(sync, workers, passed, prof, worker, _ROWS, mark)
                 lo, hi = n * worker // workers, n * (worker + 1) // workers
             o_gemm(
                 attn_rows[:n],
@@ -399,9 +481,9 @@ def _kernel(
                 worker,
                 workers,
             )
-            passed = barrier(sync, workers, passed)
+            passed, mark = end_phase(sync, workers, passed, prof, worker, _O, mark)
             rms_norm(hidden[lo:hi], norms[layer, 1], eps, normed[lo:hi])
-            passed = barrier(sync, workers, passed)
+            passed, mark = end_phase(sync, workers, passed, prof, worker, _NORM, mark)
             gate_up_gemm(
                 normed[:n],
                 gate_up_codes[layer],
@@ -411,9 +493,9 @@ def _kernel(
                 worker,
                 workers,
             )
-            passed = barrier(sync, workers, passed)
+            passed, mark = end_phase(sync, workers, passed, prof, worker, _GATE_UP, mark)
             silu_mul(gate_up[lo:hi], act[lo:hi])
-            passed = barrier(sync, workers, passed)
+            passed, mark = end_phase(sync, workers, passed, prof, worker, _SILU, mark)
             down_gemm(
                 act[:n],
                 down_codes[layer],
@@ -423,7 +505,7 @@ def _kernel(
                 worker,
                 workers,
             )
-            passed = barrier(sync, workers, passed)
+            passed, mark = end_phase(sync, workers, passed, prof, worker, _DOWN, mark)
         if worker == 0:
             for i in range(rows_at.shape[0]):
                 picked[i] = hidden[rows_at[i]]
@@ -431,7 +513,7 @@ def _kernel(
             for i in range(argmax_at.shape[0]):
                 argmax_picked[i] = hidden[argmax_at[i]]
             rms_norm(argmax_picked, final_norm, eps, argmax_normed)
-        passed = barrier(sync, workers, passed)
+        passed, mark = end_phase(sync, workers, passed, prof, worker, _NORM, mark)
         if rows_at.shape[0]:
             lm_gemm(picked_normed, lm_codes, lm_scales, logits_out, False, worker, workers)
         if argmax_at.shape[0]:
@@ -445,7 +527,7 @@ def _kernel(
                 worker,
                 workers,
             )
-            passed = barrier(sync, workers, passed)
+            passed, mark = end_phase(sync, workers, passed, prof, worker, _LM_HEAD, mark)
             approximate(
                 row_words,
                 row_scales,
@@ -457,7 +539,7 @@ def _kernel(
                 worker,
                 workers,
             )
-            passed = barrier(sync, workers, passed)
+            passed, mark = end_phase(sync, workers, passed, prof, worker, _APPROXIMATE, mark)
             pick(
                 argmax_normed,
                 approx,
@@ -475,5 +557,8 @@ def _kernel(
                 worker,
                 workers,
             )
+        if profiled:
+            last = _PICK if argmax_at.shape[0] else _LM_HEAD
+            prof[worker, last, 0] += cycle_counter() - mark
 
     return step

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -528,6 +529,9 @@ class LlamaModel(nn.Module):
         # Set by pack_weights_mkl where every GEMM weight lies on a quantisation grid whose
         # GEMM can sum as MKL sums large ones: steps of a few tokens then run as one call.
         self.fused: Any = None  # kernels.cpu_step.FusedWeights
+        # int64 [threads, phases, 2], or None: each fused step adds the cycles its workers
+        # spend per phase (`kernels.cpu_step.fused_forward`), for profiling.
+        self.step_profile: np.ndarray | None = None
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -736,6 +740,7 @@ class LlamaModel(nn.Module):
             logits_indices,
             scale,
             None if greedy is None else greedy.numpy(),
+            self.step_profile,
         )
         return Logits(logits, tokens)
 

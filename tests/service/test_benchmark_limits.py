@@ -416,3 +416,51 @@ def test_draft_limits_refuses_bad_options(capsys, tmp_path, monkeypatch) -> None
             draft_limits.main(argv)
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def _load_benchmark(name: str):
+    import sys
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks"
+    sys.path.insert(0, str(bench))  # step_profile imports limits as the benchmarks do
+    try:
+        spec = importlib.util.spec_from_file_location(f"benchmark_{name}", bench / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(bench))
+    return module
+
+
+def test_a_step_profile_sums_each_phase_over_the_workers() -> None:
+    """Two workers' cycles (at 1e9 a second) in three phases: work and wait are the mean
+    over the workers, the compiled step the busier worker's total, the GEMM rate the
+    layer FLOPs over the GEMM phases' work."""
+    import numpy as np
+
+    step_profile = _load_benchmark("step_profile")
+    phases = step_profile.cpu_step.PHASES
+    cycles = np.zeros((2, len(phases), 2), dtype=np.int64)
+    qkv, gate_up, attention = (phases.index(p) for p in ("qkv", "gate_up", "attention"))
+    cycles[0, qkv] = (2e9, 0)
+    cycles[1, qkv] = (1e9, 1e9)
+    cycles[:, gate_up] = (3e9, 0)
+    cycles[0, attention] = (1e9, 0)
+    kind = {"steps": 4, "tokens": 100, "seconds": 8.0, "cycles": cycles}
+    summary = step_profile._summary(kind, 1e9, flops_per_token=4e9, matmul_gflops=200.0)
+    assert summary["phases"]["qkv"] == {"work_s": 1.5, "wait_s": 0.5}
+    assert summary["phases"]["attention"] == {"work_s": 0.5, "wait_s": 0.0}
+    assert summary["compiled_step_s"] == 6.0  # the first worker: 2 + 3 + 1
+    assert summary["outside_compiled_step_s"] == 2.0
+    assert summary["wait_s"] == 0.5
+    assert summary["layer_gemm_gflops"] == 88.9  # 100 tokens x 4 GFLOP over 4.5 s
+    assert summary["layer_gemm_share_of_matmul_rate"] == 0.444
+
+
+def test_a_step_profile_needs_the_fused_step(make_tiny_model: Callable[..., Path]) -> None:
+    from pagedinfer.service.config import EngineConfig
+
+    step_profile = _load_benchmark("step_profile")
+    config = EngineConfig(model=str(make_tiny_model("llama")), max_model_len=64)
+    with pytest.raises(RuntimeError, match="gets no fused step"):
+        step_profile.profile_run([[5, 6]], [2], config, [[7]], [1])

@@ -232,6 +232,52 @@ def test_rows_without_logits_skip_the_last_layers_mlp_and_change_nothing(
     assert fused_cache.equals(layered_cache)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_profiled_step_changes_nothing_and_counts_the_phases_it_ran(
+    model: LlamaModel, threads: int
+) -> None:
+    """With `step_profile` set, the step compiled with cycle counters gives the same tokens
+    (or logits) and K/V, and every worker's cycles land in the phases the step ran: a
+    decode and a draft's run, every row greedy."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        base = prefilled(model, [30, 50])
+        chunks = [(0, [11], 30), (1, [5, 6, 7, 8, 9], 50)]
+        greedy = torch.ones(6, dtype=torch.bool)
+        plain_cache, profiled_cache = base.copy(), base.copy()
+        plain = plain_cache.forward(model, chunks, greedy)
+        profile = np.zeros((threads, len(cpu_step.PHASES), 2), dtype=np.int64)
+        model.step_profile = profile
+        try:
+            profiled = profiled_cache.forward(model, chunks, greedy)
+        finally:
+            model.step_profile = None
+    finally:
+        torch.set_num_threads(previous)
+    if cpu_argmax.fast():
+        assert torch.equal(profiled.tokens, plain.tokens)
+        ran = set(cpu_step.PHASES) - {"rows"}  # every row reaches the LM head
+    else:
+        assert profiled.tokens is None and torch.equal(profiled.logits, plain.logits)
+        ran = set(cpu_step.PHASES) - {"rows", "approximate", "pick"}
+    assert profiled_cache.equals(plain_cache)
+    working = profile[:, :, 0] > 0
+    assert {cpu_step.PHASES[i] for i in range(len(cpu_step.PHASES)) if working[:, i].all()} == ran
+    assert not profile[:, [cpu_step.PHASES.index(p) for p in set(cpu_step.PHASES) - ran]].any()
+    assert (profile[:, :, 1] >= 0).all()
+
+
+def test_a_profile_of_the_wrong_shape_is_refused(model: LlamaModel) -> None:
+    cache = prefilled(model, [20])
+    model.step_profile = np.zeros((8, 3, 2), dtype=np.int64)
+    try:
+        with pytest.raises(ValueError, match=r"profile must be int64 \[\d+ or more, 13, 2\]"):
+            cache.forward(model, [(0, [1], 20)])
+    finally:
+        model.step_profile = None
+
+
 @pytest.mark.parametrize("length", [6, 90])
 def test_a_prompt_is_prefilled_in_one_fused_call(
     model: LlamaModel, monkeypatch: pytest.MonkeyPatch, length: int
