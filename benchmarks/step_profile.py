@@ -25,6 +25,7 @@ from __future__ import annotations
 # First, before torch loads: the engine's OpenMP settings (`pagedinfer.service`).
 import pagedinfer.service  # noqa: F401  # isort: skip
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -59,8 +60,9 @@ def profile_run(
     matmul_gflops: float | None = None,
 ) -> dict[str, Any]:
     """Serve the requests (greedy, fixed lengths) once to warm up, then once profiled: the
-    phases of the prompt steps and of the decode steps (module doc)."""
-    engine = LLMEngine(config)
+    phases of the prompt steps and of the decode steps (module doc). Without prefix
+    caching: the profiled turn computes every prompt, as a first serving of them would."""
+    engine = LLMEngine(dataclasses.replace(config, enable_prefix_caching=False))
     model = engine.runner.model
     if getattr(model, "fused", None) is None:
         raise RuntimeError("step profile: this model gets no fused step on this machine")

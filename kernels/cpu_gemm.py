@@ -52,10 +52,12 @@ import torch
 from llvmlite import ir
 from numba.core import types
 
+from pagedinfer.kernels.cpu_layer import silu_times
 from pagedinfer.kernels.cpu_numba import (
     FASTMATH,
     Job,
     fma_ir,
+    int_stack_array,
     intrinsic,
     jit,
     lanes_add,
@@ -329,19 +331,36 @@ def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, dm: Any) ->
 
 @functools.cache
 def gemm_kernel(
-    kind: str, rows: int, in_features: int, ends: tuple[int, ...], fused: bool
+    kind: str, rows: int, in_features: int, ends: tuple[int, ...], fused: bool, silu: bool = False
 ) -> Callable[..., None]:
     """gemm(x, r0, codes, scales, out, first, tiles, add, worker, workers): rows r0 .. r0 +
     rows - 1 of x [M, K] times the first `tiles` tiles of the weight (a grid, or REBUILT),
     summed in the `SumOrder` (ends, fused), into the same rows of out [M, out tiles, 16]
     from its tile `first` on (add: out += the product, rounded once more, as `out += x @
     W.T` does). The worker does tile groups worker, worker + workers, ... of tiles //
-    `tiles_per_group(rows)`."""
+    `tiles_per_group(rows)`.
+
+    silu: the weight is [gate | up] (its first tiles / 2 tiles the gate's); each group
+    takes as many tiles of the gate as of up, the same outputs of each, and out gets
+    silu(gate) * up (`cpu_layer.silu_times`, as `silu_mul` computes it from the product),
+    gate tile j into out tile `first` + j (add unused). The product itself is never
+    written: each worker takes the SiLU of its own tiles while they are in registers."""
     k, parts = in_features, len(ends)
     tb, steps = tiles_per_group(rows), 2 if kind == AFFINE4 else 1
     scaled = kind != REBUILT  # rebuilt weights need no scales
     blocks = k // GRID_BLOCK
     code_row = k // steps * LANES  # codes of one tile
+    half = tb // 2  # with silu: the group's gate tiles, then as many of up
+    values = half * rows * LANES  # with silu: the group's outputs
+
+    @jit(inline="always")
+    def tile_of(group: int, b: int, tiles: int) -> int:
+        """The weight tile that tile b of a group is."""
+        if not silu:
+            return group * tb + b
+        if b < half:
+            return group * half + b
+        return tiles // 2 + group * half + b - half
 
     @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
     def gemm(
@@ -360,8 +379,9 @@ def gemm_kernel(
         acc = stack_array((tb, rows, LANES))
         w = stack_array((tb, 2, LANES))
         dm = stack_array((tb, 2, LANES))
+        negative, decay = stack_array((values,)), stack_array((values,))
+        result, bits = stack_array((half, rows, LANES)), int_stack_array((values,))
         for group in range(worker, tiles // tb, workers):
-            t0 = group * tb
             for b in range(tb):
                 for r in range(rows):
                     lanes_copy(total[b, r], 0.0, LANES)
@@ -374,10 +394,11 @@ def gemm_kernel(
                 for i in range(start, end, steps):
                     if scaled and (i % GRID_BLOCK == 0 or i == start):
                         for b in range(tb):
-                            sat = ((t0 + b) * blocks + i // GRID_BLOCK) * 2 * LANES
+                            tile = tile_of(group, b, tiles)
+                            sat = (tile * blocks + i // GRID_BLOCK) * 2 * LANES
                             _block_scales(dm[b], scales, sat)
                     for b in range(tb):
-                        at = (t0 + b) * code_row + i // steps * LANES
+                        at = tile_of(group, b, tiles) * code_row + i // steps * LANES
                         _dequant(w[b], kind, codes, at, dm[b])
                     for h in range(steps):
                         for r in range(rows):
@@ -391,12 +412,19 @@ def gemm_kernel(
                     for r in range(rows):
                         lanes_add(total[b, r], acc[b, r], LANES)
                 start = end
+            if silu:
+                gate, up = total[:half].reshape(values), total[half:].reshape(values)
+                silu_times(gate, up, result.reshape(values), negative, decay, bits)
+                for b in range(half):
+                    for r in range(rows):
+                        lanes_copy(out[r0 + r, first + group * half + b], result[b, r], LANES)
+                continue
             for b in range(tb):
                 for r in range(rows):
                     if add:
-                        lanes_add(out[r0 + r, first + t0 + b], total[b, r], LANES)
+                        lanes_add(out[r0 + r, first + group * tb + b], total[b, r], LANES)
                     else:
-                        lanes_copy(out[r0 + r, first + t0 + b], total[b, r], LANES)
+                        lanes_copy(out[r0 + r, first + group * tb + b], total[b, r], LANES)
 
     return gemm
 
@@ -407,7 +435,7 @@ def tiles_per_group(rows: int) -> int:
 
 @functools.cache
 def gemm_all_rows(
-    kind: str, in_features: int, ends: tuple[int, ...], fused: bool
+    kind: str, in_features: int, ends: tuple[int, ...], fused: bool, silu: bool = False
 ) -> Callable[..., None]:
     """gemm(x, codes, scales, out, add, worker, workers): `gemm_kernel`'s product for every
     row of x, summed in the `SumOrder` (ends, fused). Up to MAX_ROWS rows take one pass
@@ -415,11 +443,15 @@ def gemm_all_rows(
     TILE_GROUP tiles at a time into scratch (fp32, in L2) and run MAX_ROWS rows at a time
     over it, so the weight is read and rebuilt once whatever the rows. Every worker takes
     part: a share of the tile groups, and past MAX_ROWS rows a share of the rows of the
-    groups that do not divide evenly among them."""
+    groups that do not divide evenly among them.
+
+    silu: out [M, out_features / 32, 16] gets silu(gate) * up of the product of a [gate |
+    up] weight, as `gemm_kernel` gives it."""
     k, steps = in_features, 2 if kind == AFFINE4 else 1
     blocks = k // GRID_BLOCK
-    one_pass = _by_rows(kind, k, ends, fused)
-    over_scratch = _by_rows(REBUILT, k, ends, fused)
+    one_pass = _by_rows(kind, k, ends, fused, silu)
+    over_scratch = _by_rows(REBUILT, k, ends, fused, silu)
+    half = TILE_GROUP // 2  # with silu: a group's gate tiles, then as many of up
 
     @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
     def gemm(
@@ -431,7 +463,7 @@ def gemm_all_rows(
         worker: int,
         workers: int,
     ) -> None:
-        m, tiles = x.shape[0], out.shape[1]
+        m, tiles = x.shape[0], out.shape[1] * (2 if silu else 1)
         if m <= MAX_ROWS:
             one_pass(m, x, 0, codes, scales, out, 0, tiles, add, worker, workers)
             return
@@ -454,25 +486,28 @@ def gemm_all_rows(
             t0 = group * TILE_GROUP
             for b in range(TILE_GROUP):
                 t = t0 + b
+                if silu:  # the group's gate tiles, then the same tiles of up
+                    t = group * half + b if b < half else tiles // 2 + group * half + b - half
                 for i0 in range(0, k, GRID_BLOCK):
                     _block_scales(dm, scales, (t * blocks + i0 // GRID_BLOCK) * 2 * LANES)
                     for i in range(i0, i0 + GRID_BLOCK, steps):
                         _dequant(w[b, i:], kind, codes, (t * k + i) * LANES // steps, dm)
+            first = group * half if silu else t0
             for r0 in range(first_row, m, row_step):
                 rows = min(MAX_ROWS, m - r0)
-                over_scratch(rows, x, r0, w, scales, out, t0, TILE_GROUP, add, 0, 1)
+                over_scratch(rows, x, r0, w, scales, out, first, TILE_GROUP, add, 0, 1)
 
     return gemm
 
 
 @functools.cache
 def _by_rows(
-    kind: str, in_features: int, ends: tuple[int, ...], fused: bool
+    kind: str, in_features: int, ends: tuple[int, ...], fused: bool, silu: bool = False
 ) -> Callable[..., None]:
     """run(rows, *args): `gemm_kernel`(kind, rows, ...)(*args) for 1 <= rows <= MAX_ROWS
     (the kernel compiled for that many rows; nothing for other counts)."""
     k1, k2, k3, k4, k5, k6, k7, k8 = (
-        gemm_kernel(kind, rows, in_features, ends, fused) for rows in range(1, MAX_ROWS + 1)
+        gemm_kernel(kind, rows, in_features, ends, fused, silu) for rows in range(1, MAX_ROWS + 1)
     )
 
     @jit(nogil=True, error_model="numpy")

@@ -25,7 +25,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedinfer.kernels.cpu_numba import FASTMATH, exp_into, fp32_cpu, jit
+from pagedinfer.kernels.cpu_numba import FASTMATH, exp_into, fp32_cpu, jit, lanes_silu_times
+
+LANES = 16  # `silu_times` works in vectors of 16 fp32 values (512 bits), a GEMM tile's
 
 
 def supports(*tensors: torch.Tensor) -> bool:
@@ -103,24 +105,53 @@ def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.ndarra
             out[t, i] = x[t, i] * scale * weight[i]
 
 
+@jit(fastmath=FASTMATH, inline="always", error_model="numpy")
+def silu_times(
+    gate: np.ndarray,
+    up: np.ndarray,
+    out: np.ndarray,
+    negative: np.ndarray,
+    decay: np.ndarray,
+    bits: np.ndarray,
+) -> None:
+    """out = silu(gate) * up over n values (n: len(gate), a multiple of LANES): the
+    SiLU-and-multiply of `silu_mul` and of the gate/up GEMM on its own outputs
+    (`cpu_gemm`), so that both give the same bits. negative, decay (fp32) and bits
+    (int32): scratch of n or more.
+
+    silu(g) = g * sigmoid(g), with sigmoid from e = exp(-|g|), which cannot overflow:
+    g / (1 + e) for g >= 0, g * e / (1 + e) below. After the exp each operation is
+    rounded once (`cpu_numba.lanes_silu_times`): left to fast math, LLVM rounded them one
+    way in a loop over a row and another over 16 values (1 in 6 results 1 ulp apart)."""
+    n = gate.shape[0]
+    for i in range(n):
+        g = gate[i]
+        negative[i] = min(g, -g)
+    exp_into(negative[:n], decay, bits)
+    for c in range(0, n, LANES):
+        lanes_silu_times(
+            out[c : c + LANES], gate[c : c + LANES], decay[c:], up[c : c + LANES], LANES
+        )
+
+
 @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
 def _silu_mul(gate_up: np.ndarray, out: np.ndarray) -> None:
     width = out.shape[1]
-    negative = np.empty(width, dtype=np.float32)
-    decay = np.empty(width, dtype=np.float32)
-    bits = np.empty(width, dtype=np.int32)
+    whole = width - width % LANES  # the rest of a row goes in lanes of its own
+    negative = np.empty(whole + LANES, dtype=np.float32)
+    decay = np.empty(whole + LANES, dtype=np.float32)
+    bits = np.empty(whole + LANES, dtype=np.int32)
+    last = np.zeros((3, LANES), dtype=np.float32)  # gate, up and out of that rest
     for t in range(out.shape[0]):
-        # silu(g) = g * sigmoid(g), with sigmoid from e = exp(-|g|), which cannot
-        # overflow: 1 / (1 + e) for g >= 0, e / (1 + e) below.
-        for i in range(width):
-            g = gate_up[t, i]
-            negative[i] = min(g, -g)
-        exp_into(negative, decay, bits)
-        for i in range(width):
-            g = gate_up[t, i]
-            e = decay[i]
-            top = e if g < np.float32(0.0) else np.float32(1.0)
-            out[t, i] = g * top / (np.float32(1.0) + e) * gate_up[t, width + i]
+        gate, up = gate_up[t, :whole], gate_up[t, width : width + whole]
+        silu_times(gate, up, out[t, :whole], negative, decay, bits)
+        if whole < width:
+            for i in range(width - whole):
+                last[0, i] = gate_up[t, whole + i]
+                last[1, i] = gate_up[t, width + whole + i]
+            silu_times(last[0], last[1], last[2], negative, decay, bits)
+            for i in range(width - whole):
+                out[t, whole + i] = last[2, i]
 
 
 @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")

@@ -398,6 +398,21 @@ def lanes_div(typingctx: Any, y: Any, x: Any, s: Any, width: Any) -> Any:
 
 
 @intrinsic
+def lanes_silu_times(typingctx: Any, y: Any, gate: Any, decay: Any, up: Any, width: Any) -> Any:
+    """y[:width] = silu(gate) * up, from decay = exp(-|gate|): g * (decay if g < 0 else 1)
+    / (decay + 1) * up, each operation rounded once (a NaN gate gives NaN)."""
+
+    def combine(b: Any, y: Any, g: Any, e: Any, u: Any) -> Any:
+        one = ir.Constant(g.type, [1.0] * g.type.count)
+        below = b.fcmp_ordered("<", g, ir.Constant(g.type, None))
+        numerator = b.fmul(g, b.select(below, e, one), flags=EXACT)
+        sigmoid = b.fdiv(numerator, b.fadd(e, one, flags=EXACT), flags=EXACT)
+        return b.fmul(sigmoid, u, flags=EXACT)
+
+    return _lane_op((y, gate, decay, up, width), combine)
+
+
+@intrinsic
 def lanes_max(typingctx: Any, y: Any, x: Any, width: Any) -> Any:
     """y[:width] = max(y[:width], x), elementwise (x where either is NaN)."""
     return _lane_op((y, x, width), lambda b, y, x: b.select(b.fcmp_ordered(">=", y, x), y, x))

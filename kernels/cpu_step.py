@@ -10,8 +10,9 @@ Here the step runs as one call on the worker threads:
   of 538 for SmolLM2), each worker a share of the output tiles;
 - attention runs the same compiled kernels as a step through Python (`cpu_decode`,
   `cpu_verify`), each worker a share of the sequences;
-- the small ops (`cpu_layer`'s RMSNorm, rotary and K/V write, SiLU) work row by row,
-  each worker on a share of the rows;
+- the small ops (`cpu_layer`'s RMSNorm, rotary and K/V write) work row by row, each
+  worker on a share of the rows; the gate/up GEMM applies the SiLU to its own outputs
+  (`cpu_gemm`, silu), so the product is never written and read back;
 - between phases the workers wait at a spinning barrier (microseconds), not for Python.
 
 Every operation is the one the step through Python does, in the same order, with the
@@ -37,7 +38,7 @@ from pagedinfer.kernels.cpu_numba import Job, barrier, cycle_counter, jit, run_j
 # the first worker waits for the others to reach the kernel; "rows" moves the rows that
 # reach the LM head to the front before the last layer's MLP; "lm_head" is the logits of
 # the rows that need them and the 8-bit codes of the greedy rows; "approximate" and "pick"
-# are `cpu_argmax`'s other phases.
+# are `cpu_argmax`'s other phases. "gate_up" includes the SiLU, which that GEMM applies.
 PHASES = (
     "start",
     "norm",
@@ -47,7 +48,6 @@ PHASES = (
     "rows",
     "o",
     "gate_up",
-    "silu",
     "down",
     "lm_head",
     "approximate",
@@ -62,7 +62,6 @@ PHASES = (
     _ROWS,
     _O,
     _GATE_UP,
-    _SILU,
     _DOWN,
     _LM_HEAD,
     _APPROXIMATE,
@@ -244,7 +243,6 @@ def fused_forward(
         qkv.numpy(),
         query.numpy(),
         attn_out.numpy(),
-        np.empty((tokens, 2 * shape.intermediate), np.float32),  # gate | up
         np.empty((tokens, shape.intermediate), np.float32),  # silu(gate) * up
         kept,
         full_at,
@@ -303,27 +301,24 @@ def _kernel(
     nh, nkv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
     hidden_tiles = shape.hidden // cpu_gemm.LANES
     qkv_tiles = (nh + 2 * nkv) * d // cpu_gemm.LANES
-    gate_up_tiles = 2 * shape.intermediate // cpu_gemm.LANES
+    act_tiles = shape.intermediate // cpu_gemm.LANES
     vocab_tiles = shape.vocab // cpu_gemm.LANES
     lanes = cpu_gemm.LANES
     slots_per_layer = nkv * d
 
-    def gemm(i: int, in_features: int) -> Callable[..., None]:
-        return cpu_gemm.gemm_all_rows(kinds[i], in_features, orders[i].ends, orders[i].fused)
+    def gemm(i: int, in_features: int, silu: bool = False) -> Callable[..., None]:
+        order = orders[i]
+        return cpu_gemm.gemm_all_rows(kinds[i], in_features, order.ends, order.fused, silu)
 
     qkv_gemm = gemm(0, shape.hidden)
     o_gemm = gemm(1, nh * d)
-    gate_up_gemm = gemm(2, shape.hidden)
+    gate_up_gemm = gemm(2, shape.hidden, silu=True)  # gives silu(gate) * up
     down_gemm = gemm(3, shape.intermediate)
     lm_gemm = gemm(4, shape.hidden)
     quantize, approximate, pick = cpu_argmax.phase_kernels(shape.hidden, orders[4])
     decode = cpu_decode._kernel(shape.block_size, nh, nkv, d)
     verify = cpu_verify._kernel(shape.block_size, nh, nkv, d)
-    rms_norm, rope_write_kv, silu_mul = (
-        cpu_layer._rms_norm,
-        cpu_layer._rope_write_kv,
-        cpu_layer._silu_mul,
-    )
+    rms_norm, rope_write_kv = cpu_layer._rms_norm, cpu_layer._rope_write_kv
 
     @jit(inline="always", nogil=True)
     def end_phase(
@@ -379,7 +374,6 @@ def _kernel(
         qkv: np.ndarray,
         query: np.ndarray,
         attn_out: np.ndarray,
-        gate_up: np.ndarray,
         act: np.ndarray,
         kept: np.ndarray,
         rows_at: np.ndarray,
@@ -417,7 +411,7 @@ def _kernel(
         tokens = hidden.shape[0]
         hidden_out = hidden.reshape(tokens, hidden_tiles, lanes)
         qkv_out = qkv.reshape(tokens, qkv_tiles, lanes)
-        gate_up_out = gate_up.reshape(tokens, gate_up_tiles, lanes)
+        act_out = act.reshape(tokens, act_tiles, lanes)
         attn_rows = attn_out.reshape(tokens, nh * d)
         logits_out = logits.reshape(rows_at.shape[0], vocab_tiles, lanes)
         passed = 0
@@ -488,14 +482,12 @@ def _kernel(
                 normed[:n],
                 gate_up_codes[layer],
                 gate_up_scales[layer],
-                gate_up_out[:n],
+                act_out[:n],
                 False,
                 worker,
                 workers,
             )
             passed, mark = end_phase(sync, workers, passed, prof, worker, _GATE_UP, mark)
-            silu_mul(gate_up[lo:hi], act[lo:hi])
-            passed, mark = end_phase(sync, workers, passed, prof, worker, _SILU, mark)
             down_gemm(
                 act[:n],
                 down_codes[layer],

@@ -177,6 +177,34 @@ def test_every_row_and_output_is_summed_once_however_the_workers_share_them(thre
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_gate_up_gemm_gives_silu_mul_of_its_product(threads) -> None:
+    """A [gate | up] weight of 2 x 288 outputs (nine groups of two gate tiles and the same
+    two of up): with silu, each group's product goes through `cpu_layer.silu_times` and
+    out gets what `silu_mul` makes of the whole product, bit for bit, for every row count
+    and however the workers share the groups."""
+    from pagedinfer.kernels import cpu_layer
+    from pagedinfer.kernels.cpu_numba import Job, run_jobs
+
+    weight = affine4_weight(576, 256, seed=11)
+    grid = cpu_gemm.to_grid(weight)
+    order = cpu_gemm.SumOrder((128, 256), True)
+    gemm = cpu_gemm.gemm_all_rows(grid.kind, 256, order.ends, order.fused, silu=True)
+    generator = torch.Generator().manual_seed(3)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        wide, most = cpu_gemm.WIDE_ROWS, cpu_gemm.MAX_ROWS
+        for rows in (1, wide, wide + 1, most, most + 1, most + 14):
+            x = torch.randn(rows, 256, generator=generator) * 4  # SiLU's both sides
+            expected = cpu_layer.silu_mul(cpu_gemm.grid_linear(x, grid, order))
+            out = np.full((rows, 288 // 16, 16), np.nan, dtype=np.float32)
+            run_jobs([Job(gemm, (x.numpy(), grid.codes, grid.scales, out, False), 18)])
+            assert np.array_equal(out.reshape(rows, 288), expected.numpy()), rows
+    finally:
+        torch.set_num_threads(previous)
+
+
 @needs_mkl
 def test_adding_into_out_rounds_as_an_inplace_add() -> None:
     weight = affine4_weight(576, 576, seed=2)
