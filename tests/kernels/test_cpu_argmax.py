@@ -4,9 +4,6 @@ pick is marked for its logits."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -14,6 +11,7 @@ import torch
 pytest.importorskip("numba", reason="the argmax kernels are compiled with numba")
 
 from test_cpu_gemm import affine4_weight, scaled8_weight
+from threads import torch_threads
 
 from pagedinfer.kernels import cpu_argmax, cpu_gemm
 
@@ -43,16 +41,6 @@ def hidden_states(rows: int, seed: int) -> torch.Tensor:
     x = torch.randn(rows, HIDDEN, generator=gen)
     x[:, torch.randint(0, HIDDEN, (4,), generator=gen)] *= 12
     return x
-
-
-@contextlib.contextmanager
-def torch_threads(threads: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

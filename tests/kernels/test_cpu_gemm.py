@@ -11,6 +11,8 @@ import torch
 
 pytest.importorskip("numba", reason="the grid GEMM is compiled with numba")
 
+from threads import torch_threads
+
 from pagedinfer.kernels import cpu_gemm
 from pagedinfer.service.models.llama import MKLPacked, cpu_mkl_packing_available, mkl_linear
 
@@ -153,6 +155,19 @@ def test_the_grid_serves_as_many_rows_as_it_is_faster_at() -> None:
     assert cpu_gemm.rows_faster([(grid, order, instant_library)]) == cpu_gemm.MAX_ROWS
 
 
+# Row counts that take each way of sharing the work: four tiles at a time (up to
+# WIDE_ROWS), two (up to MAX_ROWS), and past MAX_ROWS whole groups rebuilt into scratch,
+# the groups left over shared by rows.
+SHARED_ROWS = (
+    1,
+    cpu_gemm.WIDE_ROWS,
+    cpu_gemm.WIDE_ROWS + 1,
+    cpu_gemm.MAX_ROWS,
+    cpu_gemm.MAX_ROWS + 1,
+    cpu_gemm.MAX_ROWS + 14,
+)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_every_row_and_output_is_summed_once_however_the_workers_share_them(threads) -> None:
     """Nine tile groups, taken four tiles at a time (up to WIDE_ROWS rows), two at a time
@@ -162,19 +177,14 @@ def test_every_row_and_output_is_summed_once_however_the_workers_share_them(thre
     grid = cpu_gemm.to_grid(weight)
     order = cpu_gemm.SumOrder((128, 256), True)
     generator = torch.Generator().manual_seed(2)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        wide, most = cpu_gemm.WIDE_ROWS, cpu_gemm.MAX_ROWS
-        for rows in (1, wide, wide + 1, most, most + 1, most + 14):
+    with torch_threads(threads):
+        for rows in SHARED_ROWS:
             x = torch.randn(rows, 256, generator=generator)
             expected = cpu_gemm._emulate(weight.numpy(), x.numpy(), [order.ends], order.fused)[0]
             assert np.array_equal(cpu_gemm.grid_linear(x, grid, order).numpy(), expected), rows
             out = torch.ones(rows, 576)
             cpu_gemm.grid_linear(x, grid, order, out, add=True)
             assert torch.equal(out, torch.from_numpy(expected) + 1), rows
-    finally:
-        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -191,18 +201,13 @@ def test_the_gate_up_gemm_gives_silu_mul_of_its_product(threads) -> None:
     order = cpu_gemm.SumOrder((128, 256), True)
     gemm = cpu_gemm.gemm_all_rows(grid.kind, 256, order.ends, order.fused, silu=True)
     generator = torch.Generator().manual_seed(3)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        wide, most = cpu_gemm.WIDE_ROWS, cpu_gemm.MAX_ROWS
-        for rows in (1, wide, wide + 1, most, most + 1, most + 14):
+    with torch_threads(threads):
+        for rows in SHARED_ROWS:
             x = torch.randn(rows, 256, generator=generator) * 4  # SiLU's both sides
             expected = cpu_layer.silu_mul(cpu_gemm.grid_linear(x, grid, order))
             out = np.full((rows, 288 // 16, 16), np.nan, dtype=np.float32)
             run_jobs([Job(gemm, (x.numpy(), grid.codes, grid.scales, out, False), 18)])
             assert np.array_equal(out.reshape(rows, 288), expected.numpy()), rows
-    finally:
-        torch.set_num_threads(previous)
 
 
 @needs_mkl
