@@ -329,6 +329,15 @@ def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, dm: Any) ->
     return types.void(w, kind, codes, at, dm), codegen
 
 
+@jit(inline="always")
+def _paired_tile(group: int, b: int, half: int, tiles: int) -> int:
+    """The weight tile that tile b of a group of 2 * half tiles is, where a group takes
+    half tiles of the gate (the first tiles / 2) and then the same tiles of up."""
+    if b < half:
+        return group * half + b
+    return tiles // 2 + group * half + b - half
+
+
 @functools.cache
 def gemm_kernel(
     kind: str, rows: int, in_features: int, ends: tuple[int, ...], fused: bool, silu: bool = False
@@ -356,11 +365,7 @@ def gemm_kernel(
     @jit(inline="always")
     def tile_of(group: int, b: int, tiles: int) -> int:
         """The weight tile that tile b of a group is."""
-        if not silu:
-            return group * tb + b
-        if b < half:
-            return group * half + b
-        return tiles // 2 + group * half + b - half
+        return _paired_tile(group, b, half, tiles) if silu else group * tb + b
 
     @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
     def gemm(
@@ -486,8 +491,8 @@ def gemm_all_rows(
             t0 = group * TILE_GROUP
             for b in range(TILE_GROUP):
                 t = t0 + b
-                if silu:  # the group's gate tiles, then the same tiles of up
-                    t = group * half + b if b < half else tiles // 2 + group * half + b - half
+                if silu:
+                    t = _paired_tile(group, b, half, tiles)
                 for i0 in range(0, k, GRID_BLOCK):
                     _block_scales(dm, scales, (t * blocks + i0 // GRID_BLOCK) * 2 * LANES)
                     for i in range(i0, i0 + GRID_BLOCK, steps):

@@ -27,7 +27,7 @@ import torch
 
 from pagedinfer.kernels.cpu_numba import FASTMATH, exp_into, fp32_cpu, jit, lanes_silu_times
 
-LANES = 16  # `silu_times` works in vectors of 16 fp32 values (512 bits), a GEMM tile's
+LANES = 16  # `silu_times` works on vectors of 16 fp32 values: a GEMM tile's outputs
 
 
 def supports(*tensors: torch.Tensor) -> bool:

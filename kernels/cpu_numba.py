@@ -535,10 +535,10 @@ def snake_task(turn: int, worker: int, workers: int) -> int:
     first), are dealt to the workers in a snake: 0, 1, ..., workers - 1, then back from
     workers - 1 to 0, and so on (the task may be past the last one: none that turn).
 
-    Dealt round-robin, the first worker gets the largest task of every round, and over a
-    step of 32 decodes of 100-450 positions that adds up: with 2 workers its share of the
-    attention took 16% longer than the other's, which waited. In a snake each round
-    makes up for the last."""
+    Dealt round-robin, the first worker gets the largest task of every round, and that
+    adds up: in the decode steps of the benchmark's speculative run, on 2 workers, its
+    share of the attention took 16% longer than the other's, which waited. In a snake
+    each round makes up for the last."""
     if turn % 2 == 0:
         return turn * workers + worker
     return turn * workers + workers - 1 - worker
