@@ -51,18 +51,25 @@ def cycles_per_second(seconds: float = 0.2) -> float:
     return (cycles() - start_cycles) / (time.perf_counter() - start)
 
 
+def profiling_engine(config: EngineConfig) -> LLMEngine:
+    """An engine for `profile_run`: the config's, without prefix caching, so that the
+    profiled turn computes every prompt, as a first serving of them would."""
+    return LLMEngine(dataclasses.replace(config, enable_prefix_caching=False))
+
+
 def profile_run(
+    engine: LLMEngine,
     prompts: list[list[int]],
     output_lens: list[int],
-    config: EngineConfig,
     warm_prompts: list[list[int]],
     warm_output_lens: list[int],
     matmul_gflops: float | None = None,
 ) -> dict[str, Any]:
-    """Serve the requests (greedy, fixed lengths) once to warm up, then once profiled: the
-    phases of the prompt steps and of the decode steps (module doc). Without prefix
-    caching: the profiled turn computes every prompt, as a first serving of them would."""
-    engine = LLMEngine(dataclasses.replace(config, enable_prefix_caching=False))
+    """Serve the requests (greedy, fixed lengths) once to warm up, then once profiled, in
+    an engine from `profiling_engine`: the phases of the prompt steps and of the decode
+    steps (module doc)."""
+    if engine.config.enable_prefix_caching:
+        raise ValueError("step profile: the engine caches prefixes (use profiling_engine)")
     model = engine.runner.model
     if getattr(model, "fused", None) is None:
         raise RuntimeError("step profile: this model gets no fused step on this machine")
@@ -172,13 +179,14 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_speculative_tokens=args.num_speculative_tokens,
     )
-    vocab = LLMEngine(config).vocab_size
+    engine = profiling_engine(config)
+    vocab = engine.vocab_size
     wl = throughput.workload_from_args(args, vocab)
     warm = throughput.mixed_workload(
         4, vocab, args.seed + 1, args.prompt_mean, 8, args.max_model_len
     )
     gflops = throughput.matmul_gflops(torch.float32)
-    result = profile_run(wl.prompts, wl.output_lens, config, warm.prompts, warm.output_lens, gflops)
+    result = profile_run(engine, wl.prompts, wl.output_lens, warm.prompts, warm.output_lens, gflops)
     result["matmul_gflops"] = round(gflops, 1)
     json.dump(result, sys.stdout, indent=1)
     print()

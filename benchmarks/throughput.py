@@ -599,6 +599,9 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         dtype=args.dtype,
     )
+    spec_config = EngineConfig(
+        **{**base.__dict__, "num_speculative_tokens": args.num_speculative_tokens}
+    )
     engine = LLMEngine(base)
     vocab = engine.vocab_size
     params = sum(p.numel() for p in engine.runner.model.parameters())
@@ -658,13 +661,10 @@ def main(argv: list[str] | None = None) -> int:
                     passes if first else None,
                 )
             elif name == "paged_spec":
-                cfg = EngineConfig(
-                    **{**base.__dict__, "num_speculative_tokens": args.num_speculative_tokens}
-                )
                 result, timeline = run_pagedinfer(
                     name,
                     wl,
-                    cfg,
+                    spec_config,
                     params,
                     gflops,
                     warmup=warm,
@@ -712,11 +712,13 @@ def main(argv: list[str] | None = None) -> int:
             say(json.dumps(results["gemm_limits"]))
         if first and "paged_spec" in systems and not args.no_step_profile:
             say("profiling the paged_spec run's steps ...")
-            cfg = EngineConfig(
-                **{**base.__dict__, "num_speculative_tokens": args.num_speculative_tokens}
-            )
             results["step_profile"] = step_profile.profile_run(
-                wl.prompts, wl.output_lens, cfg, warm.prompts, warm.output_lens, max(rates)
+                step_profile.profiling_engine(spec_config),
+                wl.prompts,
+                wl.output_lens,
+                warm.prompts,
+                warm.output_lens,
+                max(rates),
             )
             say(json.dumps(results["step_profile"]))
     hf_static_model = None

@@ -462,5 +462,7 @@ def test_a_step_profile_needs_the_fused_step(make_tiny_model: Callable[..., Path
 
     step_profile = _load_benchmark("step_profile")
     config = EngineConfig(model=str(make_tiny_model("llama")), max_model_len=64)
+    engine = step_profile.profiling_engine(config)
+    assert not engine.config.enable_prefix_caching
     with pytest.raises(RuntimeError, match="gets no fused step"):
-        step_profile.profile_run([[5, 6]], [2], config, [[7]], [1])
+        step_profile.profile_run(engine, [[5, 6]], [2], [[7]], [1])
