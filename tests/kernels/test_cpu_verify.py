@@ -136,7 +136,7 @@ def test_drafts_of_every_length_match_the_reference_through_the_default_plan(
     plan = default_plan(batch)
     assert plan.groups == []  # every new token went to a compiled kernel
     in_runs = 0 if plan.runs is None else int(plan.runs.counts.sum())
-    assert in_runs == len(seq_lens) * int(torch_ops._tokens_in_runs(torch.tensor([num_new]), 5))
+    assert in_runs == len(seq_lens) * int(torch_ops._tokens_in_runs(np.array([num_new]), 5)[0])
     batch.assert_matches_reference(torch_ops.paged_attention(*batch.args(), plan=plan))
 
 
@@ -151,7 +151,7 @@ def test_prompts_of_any_length_take_the_compiled_kernels_through_the_default_pla
     assert plan.groups == []
     in_runs = int(plan.runs.counts.sum())
     assert in_runs + len(plan.decodes.query_rows) == sum(query_lens)
-    assert in_runs == int(torch_ops._tokens_in_runs(torch.tensor(query_lens), 5).sum())
+    assert in_runs == int(torch_ops._tokens_in_runs(np.array(query_lens), 5).sum())
     batch.assert_matches_reference(torch_ops.paged_attention(*batch.args(), plan=plan))
 
 
@@ -260,7 +260,7 @@ def test_reads_and_writes_only_its_rows_of_strided_query_and_out(make_batch: Cal
 )
 def test_runs_take_whole_runs_and_a_last_one_of_at_least_half(num_new: int, in_runs: int) -> None:
     # SmolLM2's shapes: runs of up to 5 tokens; a last run of 1 or 2 goes a row per token.
-    assert int(torch_ops._tokens_in_runs(torch.tensor([num_new]), 5)) == in_runs
+    assert int(torch_ops._tokens_in_runs(np.array([num_new]), 5)[0]) == in_runs
 
 
 @pytest.mark.parametrize(
