@@ -532,6 +532,7 @@ class LlamaModel(nn.Module):
         # int64 [threads, phases, 2], or None: each fused step adds the cycles its workers
         # spend per phase (`kernels.cpu_step.fused_forward`), for profiling.
         self.step_profile: np.ndarray | None = None
+        self._cache_arrays: Any = None  # kernels.cpu_step.CacheArrays of the last step
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -729,6 +730,7 @@ class LlamaModel(nn.Module):
             vocab=config.vocab_size,
             block_size=k_cache.shape[1],
         )
+        self._cache_arrays = cpu_step.cache_arrays(kv_caches, self._cache_arrays)
         logits, tokens = cpu_step.fused_forward(
             self.fused,
             shape,
@@ -741,6 +743,7 @@ class LlamaModel(nn.Module):
             scale,
             None if greedy is None else greedy.numpy(),
             self.step_profile,
+            self._cache_arrays,
         )
         return Logits(logits, tokens)
 

@@ -366,3 +366,18 @@ def test_the_default_model_takes_the_fused_step_with_the_same_logits(
         run(fused_cache, model, chunks, fused=True), run(layered_cache, model, chunks, fused=False)
     )
     assert fused_cache.equals(layered_cache)
+
+
+def test_the_caches_views_are_kept_while_the_caches_stay_and_made_anew_when_one_changes() -> None:
+    caches = [(torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)) for _ in range(3)]
+    arrays = cpu_step.cache_arrays(caches)
+    assert cpu_step.cache_arrays(caches, arrays) is arrays
+    assert cpu_step.cache_arrays(list(caches), arrays) is arrays  # the same tensors
+    caches[0][0][1, 2] = 5.0  # views, not copies
+    assert arrays.keys[0][1, 2].tolist() == [[5.0] * 8]
+    replaced = [*caches[:2], (caches[2][0], torch.ones(2, 4, 1, 8))]
+    fresh = cpu_step.cache_arrays(replaced, arrays)
+    assert fresh is not arrays and fresh.values[2].sum() == 2 * 4 * 8
+    assert np.shares_memory(fresh.keys[2], caches[2][0].numpy())
+    shorter = cpu_step.cache_arrays(caches[:2], arrays)
+    assert shorter is not arrays and len(shorter.keys) == len(shorter.values) == 2
