@@ -161,8 +161,9 @@ def cache_arrays(
     kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], known: CacheArrays | None = None
 ) -> CacheArrays:
     """Views of these caches: `known` where it views these very tensors, else new ones.
-    A model keeps them from step to step: making SmolLM2's 60 views each step took about
-    0.1 ms, its data and code cold after the step before."""
+    A model keeps them from step to step: making SmolLM2's 60 views takes 41 us in a loop
+    of its own and took about 0.14 ms of a step in an engine (its data and code cold after
+    the step before); checking that `known` still fits takes 2 us."""
     if (
         known is not None
         and len(known.caches) == len(kv_caches)
