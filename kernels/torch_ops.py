@@ -219,7 +219,6 @@ def plan_attention(
     gives every token a row of its own.
     """
     decodes = runs = None
-    short = None
     if compiled:
         # The compiled kernels' share in numpy: a few dozen small ops, each a fraction of
         # a torch call's cost. A plan of 1-32 decodes took 258 us with torch ops, 42 with
@@ -238,12 +237,12 @@ def plan_attention(
         if verify_rows:
             runs = _plan_runs(ids, in_runs, verify_rows, tables_np, lens_np, qlens_np, starts_np)
     verify = verify_rows if runs is not None else 0
-    if short is not None and short.all():  # nothing left for the padded groups
+    if compiled and short.all():  # nothing left for the padded groups
         return AttentionPlan([], block_size, decodes, runs, verify)
     starts = query_start_loc.long()
     seq_lens = seq_lens.long()
     query_lens = starts[1:] - starts[:-1]
-    if short is not None:
+    if compiled:
         query_lens = torch.where(torch.from_numpy(short), 0, query_lens)  # no group of their own
     groups = [
         _plan_group(seq_ids, block_tables, seq_lens, query_lens, starts, block_size)
