@@ -340,13 +340,7 @@ def _paired_tile(group: int, b: int, half: int, tiles: int) -> int:
 
 @functools.cache
 def gemm_kernel(
-    kind: str,
-    rows: int,
-    in_features: int,
-    ends: tuple[int, ...],
-    fused: bool,
-    silu: bool = False,
-    rebuild: str = "",
+    kind: str, rows: int, in_features: int, ends: tuple[int, ...], fused: bool, silu: bool = False
 ) -> Callable[..., None]:
     """gemm(x, r0, codes, scales, out, first, tiles, add, worker, workers): rows r0 .. r0 +
     rows - 1 of x [M, K] times the first `tiles` tiles of the weight (a grid, or REBUILT),
@@ -359,13 +353,7 @@ def gemm_kernel(
     takes as many tiles of the gate as of up, the same outputs of each, and out gets
     silu(gate) * up (`cpu_layer.silu_times`, as `silu_mul` computes it from the product),
     gate tile j into out tile `first` + j (add unused). The product itself is never
-    written: each worker takes the SiLU of its own tiles while they are in registers.
-
-    rebuild (the kind of a grid; kind REBUILT, rows MAX_ROWS, tiles TILE_GROUP, one worker):
-    the kernel takes four more arguments, (next_codes, next_scales, next_tiles, next_w),
-    and while it runs over the scratch it rebuilds tiles next_tiles[0 ..
-    TILE_GROUP - 1] of that grid into next_w [TILE_GROUP, K, 16] as `gemm_all_rows` does,
-    a few weights at every step of its inputs (see there why)."""
+    written: each worker takes the SiLU of its own tiles while they are in registers."""
     k, parts = in_features, len(ends)
     tb, steps = tiles_per_group(rows), 2 if kind == AFFINE4 else 1
     scaled = kind != REBUILT  # rebuilt weights need no scales
@@ -373,20 +361,14 @@ def gemm_kernel(
     code_row = k // steps * LANES  # codes of one tile
     half = tb // 2  # with silu: the group's gate tiles, then as many of up
     values = half * rows * LANES  # with silu: the group's outputs
-    # With rebuild: the next group's weights, rebuilt `per_step` steps of its inputs (each
-    # rsteps inputs of one tile) at every step of this kernel's inputs, tile after tile.
-    rsteps = 2 if rebuild == AFFINE4 else 1
-    per_step = tb // rsteps if rebuild else 0
-    if rebuild and (kind != REBUILT or rows != MAX_ROWS or per_step * rsteps != tb):
-        raise ValueError(f"gemm_kernel: rebuild needs kind {REBUILT} and {MAX_ROWS} rows")
 
     @jit(inline="always")
     def tile_of(group: int, b: int, tiles: int) -> int:
         """The weight tile that tile b of a group is."""
         return _paired_tile(group, b, half, tiles) if silu else group * tb + b
 
-    @jit(fastmath=FASTMATH, nogil=True, error_model="numpy", inline="always")
-    def body(
+    @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
+    def gemm(
         x: np.ndarray,
         r0: int,
         codes: np.ndarray,
@@ -397,13 +379,7 @@ def gemm_kernel(
         add: bool,
         worker: int,
         workers: int,
-        next_codes: np.ndarray,
-        next_scales: np.ndarray,
-        next_tiles: np.ndarray,
-        next_w: np.ndarray,
     ) -> None:
-        next_dm = stack_array((2, LANES))
-        next_b, next_i = 0, 0  # the next step to rebuild: tile next_tiles[next_b], input next_i
         total = stack_array((tb, rows, LANES))
         acc = stack_array((tb, rows, LANES))
         w = stack_array((tb, 2, LANES))
@@ -437,16 +413,6 @@ def gemm_kernel(
                                     lanes_fma(acc[b, r], w[b, h], xr, LANES)
                                 else:
                                     lanes_mul_add(acc[b, r], w[b, h], xr, LANES)
-                    for _ in range(per_step):
-                        t = next_tiles[next_b]
-                        if next_i % GRID_BLOCK == 0:
-                            sat = (t * blocks + next_i // GRID_BLOCK) * 2 * LANES
-                            _block_scales(next_dm, next_scales, sat)
-                        at = (t * k + next_i) * LANES // rsteps
-                        _dequant(next_w[next_b, next_i:], rebuild, next_codes, at, next_dm)
-                        next_i += rsteps
-                        if next_i == k:
-                            next_b, next_i = next_b + 1, 0
                 for b in range(tb):
                     for r in range(rows):
                         lanes_add(total[b, r], acc[b, r], LANES)
@@ -464,48 +430,6 @@ def gemm_kernel(
                         lanes_add(out[r0 + r, first + group * tb + b], total[b, r], LANES)
                     else:
                         lanes_copy(out[r0 + r, first + group * tb + b], total[b, r], LANES)
-
-    if rebuild:
-
-        @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
-        def gemm_rebuilding(
-            x: np.ndarray,
-            r0: int,
-            codes: np.ndarray,
-            scales: np.ndarray,
-            out: np.ndarray,
-            first: int,
-            tiles: int,
-            add: bool,
-            worker: int,
-            workers: int,
-            next_codes: np.ndarray,
-            next_scales: np.ndarray,
-            next_tiles: np.ndarray,
-            next_w: np.ndarray,
-        ) -> None:
-            body(x, r0, codes, scales, out, first, tiles, add, worker, workers,
-                 next_codes, next_scales, next_tiles, next_w)  # fmt: skip
-
-        return gemm_rebuilding
-
-    @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
-    def gemm(
-        x: np.ndarray,
-        r0: int,
-        codes: np.ndarray,
-        scales: np.ndarray,
-        out: np.ndarray,
-        first: int,
-        tiles: int,
-        add: bool,
-        worker: int,
-        workers: int,
-    ) -> None:
-        # Nothing to rebuild: the next group's arguments are never read.
-        nothing = int_stack_array((1,))
-        body(x, r0, codes, scales, out, first, tiles, add, worker, workers,
-             codes, scales, nothing, stack_array((1, 1, LANES)))  # fmt: skip
 
     return gemm
 
@@ -526,43 +450,13 @@ def gemm_all_rows(
     part: a share of the tile groups, and past MAX_ROWS rows a share of the rows of the
     groups that do not divide evenly among them.
 
-    A worker's first pass of MAX_ROWS rows over a group's scratch also rebuilds its next
-    group into a second scratch, a step of that group's inputs at every step of the pass
-    (`gemm_kernel`'s rebuild). Rebuilding on its own, a group at a time between the passes,
-    the FMA units wait while the codes come from memory and are widened; spread through
-    a pass that keeps them busy, both go on beside it.
-
     silu: out [M, out_features / 32, 16] gets silu(gate) * up of the product of a [gate |
     up] weight, as `gemm_kernel` gives it."""
     k, steps = in_features, 2 if kind == AFFINE4 else 1
     blocks = k // GRID_BLOCK
     one_pass = _by_rows(kind, k, ends, fused, silu)
     over_scratch = _by_rows(REBUILT, k, ends, fused, silu)
-    rebuilding = gemm_kernel(REBUILT, MAX_ROWS, k, ends, fused, silu, rebuild=kind)
     half = TILE_GROUP // 2  # with silu: a group's gate tiles, then as many of up
-
-    @jit(inline="always")
-    def group_of(task: int, whole: int, workers: int) -> int:
-        """The group a task takes: task itself, or one of the groups left over past the
-        `whole` ones, which every worker takes a share of."""
-        return task if task < whole else whole + (task - whole) // workers
-
-    @jit(inline="always")
-    def group_tiles(group: int, tiles: int, into: np.ndarray) -> None:
-        """The weight tiles of a group, in the order its scratch holds them."""
-        for b in range(TILE_GROUP):
-            into[b] = _paired_tile(group, b, half, tiles) if silu else group * TILE_GROUP + b
-
-    @jit(inline="always")
-    def rebuild(codes: np.ndarray, scales: np.ndarray, ids: np.ndarray, w: np.ndarray) -> None:
-        """Tiles ids of the grid rebuilt into w [TILE_GROUP, K, 16] (fp32)."""
-        dm = stack_array((2, LANES))
-        for b in range(TILE_GROUP):
-            t = ids[b]
-            for i0 in range(0, k, GRID_BLOCK):
-                _block_scales(dm, scales, (t * blocks + i0 // GRID_BLOCK) * 2 * LANES)
-                for i in range(i0, i0 + GRID_BLOCK, steps):
-                    _dequant(w[b, i:], kind, codes, (t * k + i) * LANES // steps, dm)
 
     @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
     def gemm(
@@ -587,33 +481,26 @@ def gemm_all_rows(
         # some 60 us before the other, which the extra group made up for.
         groups = tiles // TILE_GROUP
         whole = groups - groups % workers
-        tasks = whole + (groups - whole) * workers
-        w = stack_array((2, TILE_GROUP, k, LANES))  # the group's scratch and the next one's
-        ids = int_stack_array((2, TILE_GROUP))  # their tiles
-        now, built = 0, False  # which scratch holds the group; whether it is rebuilt yet
-        for task in range(worker, tasks, workers):
-            group = group_of(task, whole, workers)
-            first_row, row_step = 0, MAX_ROWS
+        w = stack_array((TILE_GROUP, k, LANES))
+        dm = stack_array((2, LANES))
+        for task in range(worker, whole + (groups - whole) * workers, workers):
+            group, first_row, row_step = task, 0, MAX_ROWS
             if task >= whole:
+                group = whole + (task - whole) // workers
                 first_row, row_step = worker * MAX_ROWS, workers * MAX_ROWS
-            if not built:
-                group_tiles(group, tiles, ids[now])
-                rebuild(codes, scales, ids[now], w[now])
-            following = task + workers
-            if following < tasks:
-                group_tiles(group_of(following, whole, workers), tiles, ids[1 - now])
-            built = False
-            first = group * half if silu else group * TILE_GROUP
+            t0 = group * TILE_GROUP
+            for b in range(TILE_GROUP):
+                t = t0 + b
+                if silu:
+                    t = _paired_tile(group, b, half, tiles)
+                for i0 in range(0, k, GRID_BLOCK):
+                    _block_scales(dm, scales, (t * blocks + i0 // GRID_BLOCK) * 2 * LANES)
+                    for i in range(i0, i0 + GRID_BLOCK, steps):
+                        _dequant(w[b, i:], kind, codes, (t * k + i) * LANES // steps, dm)
+            first = group * half if silu else t0
             for r0 in range(first_row, m, row_step):
                 rows = min(MAX_ROWS, m - r0)
-                if following < tasks and not built and rows == MAX_ROWS:
-                    rebuilding(x, r0, w[now], scales, out, first, TILE_GROUP, add, 0, 1,
-                               codes, scales, ids[1 - now], w[1 - now])  # fmt: skip
-                    built = True
-                else:
-                    over_scratch(rows, x, r0, w[now], scales, out, first, TILE_GROUP, add, 0, 1)
-            if built:
-                now = 1 - now
+                over_scratch(rows, x, r0, w, scales, out, first, TILE_GROUP, add, 0, 1)
 
     return gemm
 
