@@ -60,7 +60,9 @@ VNNI = bool(llvm.get_host_cpu_features().get("avx512vnni", False))
 # Rows per pass over a group of tiles: 18 integer and 18 float accumulators. The LM head's
 # approximations of SmolLM2 on an AMD EPYC (2 workers, alternating in one process) took
 # 4.2 ms at 24 rows in 3-tile groups against 4.7 in 2-tile ones, 2.5 against 2.7 at 12;
-# with 4 tiles, or 8 or more rows, the accumulators no longer fit the registers.
+# in the engine, over the benchmark workload's decode steps, 0.288 and 0.273 s against
+# 0.297 and 0.295 (two profiled turns each). With 4 tiles, or 8 or more rows, the
+# accumulators no longer fit the registers.
 ROWS = 6
 TILES = 3  # tiles per group; the tiles left over past whole groups go one at a time
 # The most outputs a row may have to bound before its logits are computed in full (on the
