@@ -57,14 +57,15 @@ BLOCK = cpu_gemm.GRID_BLOCK
 # Without it the approximation runs on plain integer vector code: correct, but no faster
 # than the full LM head, so a model does not use it (`fast`).
 VNNI = bool(llvm.get_host_cpu_features().get("avx512vnni", False))
-# Rows per pass over a group of tiles: 18 integer and 18 float accumulators. The LM head's
-# approximations of SmolLM2 on an AMD EPYC (2 workers, alternating in one process) took
-# 4.2 ms at 24 rows in 3-tile groups against 4.7 in 2-tile ones, 2.5 against 2.7 at 12;
-# in the engine, over the benchmark workload's decode steps, 0.288 and 0.273 s against
-# 0.297 and 0.295 (two profiled turns each). With 4 tiles, or 8 or more rows, the
-# accumulators no longer fit the registers.
+# Rows per pass over a group of tiles, and tiles per group (the tiles left over past whole
+# groups go one at a time). SmolLM2's LM head on an AMD EPYC, 2 workers, the variants
+# alternating in one process: 6 rows x 3 tiles took 4.2 ms at 24 rows against 4.7 for
+# 6 x 2, and 2.5 against 2.7 at 12; at 48 rows 6 x 3 ran at 234 G byte products a second,
+# 8 x 2 at 222, 6 x 2 at 202, 10 x 2 at 179 and 12 x 2 at 106 (6 x 4 no faster than
+# 6 x 2 at 36 rows). In the engine, the benchmark workload's decode steps took 0.288 and
+# 0.273 s in this phase against 0.297 and 0.295 with 6 x 2 (two profiled turns each).
 ROWS = 6
-TILES = 3  # tiles per group; the tiles left over past whole groups go one at a time
+TILES = 3
 # The most outputs a row may have to bound before its logits are computed in full (on the
 # benchmark's rows at most 11,477 passed the first, loose test; 161 the second).
 CANDIDATES = 16384
