@@ -61,7 +61,7 @@ VNNI = bool(llvm.get_host_cpu_features().get("avx512vnni", False))
 # groups go one at a time). SmolLM2's LM head on an AMD EPYC, 2 workers, the variants
 # alternating in one process: 6 rows x 3 tiles took 4.2 ms at 24 rows against 4.7 for
 # 6 x 2, and 2.5 against 2.7 at 12; at 48 rows 6 x 3 ran at 234 G byte products a second,
-# 8 x 2 at 222, 6 x 2 at 202, 10 x 2 at 179 and 12 x 2 at 106 (6 x 4 no faster than
+# 8 x 2 at 222, 6 x 2 at 198-202, 10 x 2 at 179 and 12 x 2 at 106 (6 x 4 no faster than
 # 6 x 2 at 36 rows). In the engine, the benchmark workload's decode steps took 0.288 and
 # 0.273 s in this phase against 0.297 and 0.295 with 6 x 2 (two profiled turns each).
 ROWS = 6
