@@ -78,6 +78,12 @@ GRID_BLOCK = 32  # inputs sharing one scale (and offset), as in GGUF's Q4_1 and 
 # longer fit (an AMD EPYC, 30 layers' GEMMs in one call on 2 workers: 4 rows 6.3 ms on
 # two tiles against 8.1-8.8 on four; 3 rows 5.0 against 5.7).
 MAX_ROWS = 8
+# Past MAX_ROWS rows, the rows run SCRATCH_ROWS at a time over all TILE_GROUP tiles of the
+# rebuilt scratch in one pass (24 accumulators: each input broadcast feeds 4 tiles). On an
+# Intel Xeon (2 FMA ports), 30 layers' GEMMs on 2 workers, each call alternating with the
+# 8 rows x 2 tiles taken before: 9-11% less time at 128-512 rows, 1-5% at 12-32, the same
+# bits; 7 rows x 4 tiles (28 accumulators) and 8 x 4 were slower than 8 x 2.
+SCRATCH_ROWS = 6
 TILE_GROUP = 4  # tiles per group; kernels of more than WIDE_ROWS rows take half of it
 WIDE_ROWS = 3
 # The most rows a call may take from the grid (`rows_faster` picks how many do on the
@@ -340,7 +346,13 @@ def _paired_tile(group: int, b: int, half: int, tiles: int) -> int:
 
 @functools.cache
 def gemm_kernel(
-    kind: str, rows: int, in_features: int, ends: tuple[int, ...], fused: bool, silu: bool = False
+    kind: str,
+    rows: int,
+    in_features: int,
+    ends: tuple[int, ...],
+    fused: bool,
+    silu: bool = False,
+    group_tiles: int = 0,
 ) -> Callable[..., None]:
     """gemm(x, r0, codes, scales, out, first, tiles, add, worker, workers): rows r0 .. r0 +
     rows - 1 of x [M, K] times the first `tiles` tiles of the weight (a grid, or REBUILT),
@@ -355,7 +367,7 @@ def gemm_kernel(
     gate tile j into out tile `first` + j (add unused). The product itself is never
     written: each worker takes the SiLU of its own tiles while they are in registers."""
     k, parts = in_features, len(ends)
-    tb, steps = tiles_per_group(rows), 2 if kind == AFFINE4 else 1
+    tb, steps = group_tiles or tiles_per_group(rows), 2 if kind == AFFINE4 else 1
     scaled = kind != REBUILT  # rebuilt weights need no scales
     blocks = k // GRID_BLOCK
     code_row = k // steps * LANES  # codes of one tile
@@ -440,22 +452,26 @@ def tiles_per_group(rows: int) -> int:
 
 @functools.cache
 def gemm_all_rows(
-    kind: str, in_features: int, ends: tuple[int, ...], fused: bool, silu: bool = False
+    kind: str,
+    in_features: int,
+    ends: tuple[int, ...],
+    fused: bool,
+    silu: bool = False,
 ) -> Callable[..., None]:
     """gemm(x, codes, scales, out, add, worker, workers): `gemm_kernel`'s product for every
     row of x, summed in the `SumOrder` (ends, fused). Up to MAX_ROWS rows take one pass
     over the weight, rebuilding each weight in registers; more rows rebuild a group of
-    TILE_GROUP tiles at a time into scratch (fp32, in L2) and run MAX_ROWS rows at a time
-    over it, so the weight is read and rebuilt once whatever the rows. Every worker takes
-    part: a share of the tile groups, and past MAX_ROWS rows a share of the rows of the
-    groups that do not divide evenly among them.
+    TILE_GROUP tiles at a time into scratch (fp32, in L2) and run SCRATCH_ROWS rows at a
+    time over it, so the weight is read and rebuilt once whatever the rows. Every worker
+    takes part: a share of the tile groups, and past MAX_ROWS rows a share of the rows of
+    the groups that do not divide evenly among them.
 
     silu: out [M, out_features / 32, 16] gets silu(gate) * up of the product of a [gate |
     up] weight, as `gemm_kernel` gives it."""
     k, steps = in_features, 2 if kind == AFFINE4 else 1
     blocks = k // GRID_BLOCK
     one_pass = _by_rows(kind, k, ends, fused, silu)
-    over_scratch = _by_rows(REBUILT, k, ends, fused, silu)
+    over_scratch = _by_rows(REBUILT, k, ends, fused, silu, SCRATCH_ROWS, TILE_GROUP)
     half = TILE_GROUP // 2  # with silu: a group's gate tiles, then as many of up
 
     @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
@@ -484,10 +500,10 @@ def gemm_all_rows(
         w = stack_array((TILE_GROUP, k, LANES))
         dm = stack_array((2, LANES))
         for task in range(worker, whole + (groups - whole) * workers, workers):
-            group, first_row, row_step = task, 0, MAX_ROWS
+            group, first_row, row_step = task, 0, SCRATCH_ROWS
             if task >= whole:
                 group = whole + (task - whole) // workers
-                first_row, row_step = worker * MAX_ROWS, workers * MAX_ROWS
+                first_row, row_step = worker * SCRATCH_ROWS, workers * SCRATCH_ROWS
             t0 = group * TILE_GROUP
             for b in range(TILE_GROUP):
                 t = t0 + b
@@ -499,7 +515,7 @@ def gemm_all_rows(
                         _dequant(w[b, i:], kind, codes, (t * k + i) * LANES // steps, dm)
             first = group * half if silu else t0
             for r0 in range(first_row, m, row_step):
-                rows = min(MAX_ROWS, m - r0)
+                rows = min(SCRATCH_ROWS, m - r0)
                 over_scratch(rows, x, r0, w, scales, out, first, TILE_GROUP, add, 0, 1)
 
     return gemm
@@ -507,33 +523,34 @@ def gemm_all_rows(
 
 @functools.cache
 def _by_rows(
-    kind: str, in_features: int, ends: tuple[int, ...], fused: bool, silu: bool = False
+    kind: str,
+    in_features: int,
+    ends: tuple[int, ...],
+    fused: bool,
+    silu: bool = False,
+    most: int = MAX_ROWS,
+    group_tiles: int = 0,
 ) -> Callable[..., None]:
-    """run(rows, *args): `gemm_kernel`(kind, rows, ...)(*args) for 1 <= rows <= MAX_ROWS
-    (the kernel compiled for that many rows; nothing for other counts)."""
-    k1, k2, k3, k4, k5, k6, k7, k8 = (
-        gemm_kernel(kind, rows, in_features, ends, fused, silu) for rows in range(1, MAX_ROWS + 1)
-    )
+    """run(rows, *args): `gemm_kernel`(kind, rows, ...)(*args) for 1 <= rows <= most (the
+    kernel compiled for that many rows; nothing for other counts)."""
+    kernel = gemm_kernel(kind, most, in_features, ends, fused, silu, group_tiles)
+    if most == 1:
+
+        @jit(nogil=True, error_model="numpy")
+        def run_one(rows: int, *args: Any) -> None:
+            if rows == 1:
+                kernel(*args)
+
+        return run_one
+    fewer = _by_rows(kind, in_features, ends, fused, silu, most - 1, group_tiles)
 
     @jit(nogil=True, error_model="numpy")
     def run(rows: int, *args: Any) -> None:
         # args: (x, r0, codes, scales, out, first, tiles, add, worker, workers)
-        if rows == 8:
-            k8(*args)
-        elif rows == 7:
-            k7(*args)
-        elif rows == 6:
-            k6(*args)
-        elif rows == 5:
-            k5(*args)
-        elif rows == 4:
-            k4(*args)
-        elif rows == 3:
-            k3(*args)
-        elif rows == 2:
-            k2(*args)
-        elif rows == 1:
-            k1(*args)
+        if rows == most:
+            kernel(*args)
+        else:
+            fewer(rows, *args)
 
     return run
 

@@ -79,8 +79,8 @@ class FusedWeights:
     eps: float
     kinds: tuple[str, str, str, str, str]  # q/k/v, o, gate/up, down, LM head
     orders: tuple[cpu_gemm.SumOrder, ...]  # each GEMM's, as `cpu_gemm.library_order`
-    # The most new tokens a step may have here: its GEMMs must all take the grid, which
-    # serves calls of up to this many rows (`cpu_gemm.rows_faster`).
+    # The most new tokens a step may have here: its GEMMs all take the grid, which serves
+    # calls of up to `cpu_gemm.GRID_MAX_ROWS` rows.
     max_tokens: int
     codes: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
     scales: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]

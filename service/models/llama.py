@@ -613,11 +613,17 @@ class LlamaModel(nn.Module):
         )
         # Greedy rows' tokens without their logits, where that is faster here.
         argmax = cpu_argmax.ArgmaxWeights.of(lm_head, orders[4]) if cpu_argmax.fast() else None
+        # The fused step takes every step of up to GRID_MAX_ROWS tokens, even where the
+        # library's GEMMs alone are faster (`rows` above, which the layer-by-layer path
+        # keeps): its attention, norms and rope save more. On an Intel Xeon, where the
+        # library's GEMMs were faster from 16-32 rows, the speculative system's workload
+        # (`benchmarks/throughput.py`) took 5.1-5.4 s with every step fused, against
+        # 5.5-5.7 with steps of up to 32 tokens and 7.6-7.9 with up to 16.
         fused = cpu_step.FusedWeights.stack(
             layers,
             lm_head,
             orders,
-            rows,
+            cpu_gemm.GRID_MAX_ROWS,
             norms.detach().numpy(),
             self.norm.weight.detach().numpy(),
             self.config.rms_norm_eps,

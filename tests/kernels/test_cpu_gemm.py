@@ -157,13 +157,14 @@ def test_the_grid_serves_as_many_rows_as_it_is_faster_at() -> None:
 
 # Row counts that take each way of sharing the work: four tiles at a time (up to
 # WIDE_ROWS), two (up to MAX_ROWS), and past MAX_ROWS whole groups rebuilt into scratch,
-# the groups left over shared by rows.
+# the groups left over shared by rows, SCRATCH_ROWS at a time and then every count of
+# rows left over (1 to SCRATCH_ROWS - 1).
 SHARED_ROWS = (
     1,
     cpu_gemm.WIDE_ROWS,
     cpu_gemm.WIDE_ROWS + 1,
     cpu_gemm.MAX_ROWS,
-    cpu_gemm.MAX_ROWS + 1,
+    *range(cpu_gemm.MAX_ROWS + 1, cpu_gemm.MAX_ROWS + cpu_gemm.SCRATCH_ROWS + 1),
     cpu_gemm.MAX_ROWS + 14,
 )
 
