@@ -81,7 +81,7 @@ MAX_ROWS = 8
 # Past MAX_ROWS rows, the rows run SCRATCH_ROWS at a time over all TILE_GROUP tiles of the
 # rebuilt scratch in one pass (24 accumulators: each input broadcast feeds 4 tiles). On an
 # Intel Xeon (2 FMA ports), 30 layers' GEMMs on 2 workers, each call alternating with the
-# 8 rows x 2 tiles taken before: 9-11% less time at 128-512 rows, 1-5% at 12-32, the same
+# 8 rows x 2 tiles taken before: 7-11% less time at 64-512 rows, 0-5% at 12-32, the same
 # bits; 7 rows x 4 tiles (28 accumulators) and 8 x 4 were slower than 8 x 2.
 SCRATCH_ROWS = 6
 TILE_GROUP = 4  # tiles per group; kernels of more than WIDE_ROWS rows take half of it
@@ -452,11 +452,7 @@ def tiles_per_group(rows: int) -> int:
 
 @functools.cache
 def gemm_all_rows(
-    kind: str,
-    in_features: int,
-    ends: tuple[int, ...],
-    fused: bool,
-    silu: bool = False,
+    kind: str, in_features: int, ends: tuple[int, ...], fused: bool, silu: bool = False
 ) -> Callable[..., None]:
     """gemm(x, codes, scales, out, add, worker, workers): `gemm_kernel`'s product for every
     row of x, summed in the `SumOrder` (ends, fused). Up to MAX_ROWS rows take one pass
@@ -531,26 +527,34 @@ def _by_rows(
     most: int = MAX_ROWS,
     group_tiles: int = 0,
 ) -> Callable[..., None]:
-    """run(rows, *args): `gemm_kernel`(kind, rows, ...)(*args) for 1 <= rows <= most (the
-    kernel compiled for that many rows; nothing for other counts)."""
-    kernel = gemm_kernel(kind, most, in_features, ends, fused, silu, group_tiles)
-    if most == 1:
-
-        @jit(nogil=True, error_model="numpy")
-        def run_one(rows: int, *args: Any) -> None:
-            if rows == 1:
-                kernel(*args)
-
-        return run_one
-    fewer = _by_rows(kind, in_features, ends, fused, silu, most - 1, group_tiles)
+    """run(rows, *args): `gemm_kernel`(kind, rows, ...)(*args) for 1 <= rows <= most (at
+    most MAX_ROWS; the kernel compiled for that many rows, nothing for other counts)."""
+    k1, k2, k3, k4, k5, k6, k7, k8 = (  # past `most`, the kernel for `most` (never called)
+        gemm_kernel(kind, min(rows, most), in_features, ends, fused, silu, group_tiles)
+        for rows in range(1, MAX_ROWS + 1)
+    )
 
     @jit(nogil=True, error_model="numpy")
     def run(rows: int, *args: Any) -> None:
         # args: (x, r0, codes, scales, out, first, tiles, add, worker, workers)
-        if rows == most:
-            kernel(*args)
-        else:
-            fewer(rows, *args)
+        if rows > most:
+            return
+        if rows == 8:
+            k8(*args)
+        elif rows == 7:
+            k7(*args)
+        elif rows == 6:
+            k6(*args)
+        elif rows == 5:
+            k5(*args)
+        elif rows == 4:
+            k4(*args)
+        elif rows == 3:
+            k3(*args)
+        elif rows == 2:
+            k2(*args)
+        elif rows == 1:
+            k1(*args)
 
     return run
 
