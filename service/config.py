@@ -41,7 +41,7 @@ class EngineConfig:
     # Drafts only while at most this many requests are running. A pass of a full batch
     # carries enough rows already: there a draft's rejected tokens cost a row each and
     # its kept ones save a pass only for the longest requests (see spec_decode.py).
-    speculative_max_running: int = 16
+    speculative_max_running: int = 64
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)

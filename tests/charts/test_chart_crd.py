@@ -257,7 +257,7 @@ def test_speculative_decoding_settings_the_crd_admits_start_the_server(engine, i
     assert config.num_speculative_tokens == engine["numSpeculativeTokens"]
     assert config.prompt_lookup_min == engine.get("promptLookupMin", 1)
     assert config.prompt_lookup_max == engine.get("promptLookupMax", 3)
-    assert config.speculative_max_running == engine.get("speculativeMaxRunning", 16)
+    assert config.speculative_max_running == engine.get("speculativeMaxRunning", 64)
 
 
 # -- examples ----------------------------------------------------------------------
