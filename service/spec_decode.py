@@ -29,9 +29,9 @@ the run only for the requests that take the most passes. So:
   draft is at most one longer than what was kept, after a draft kept whole one longer
   again, up to the configured length (sequences that repeat themselves draft long,
   the others short);
-- the scheduler drafts only while few requests are running
-  (`EngineConfig.speculative_max_running`): in a full batch each pass carries many rows
-  anyway, and the few longest requests are yet to become the whole batch.
+- the scheduler drafts only while at most `EngineConfig.speculative_max_running`
+  requests are running: in a full batch each pass carries many rows anyway, and the few
+  longest requests are yet to become the whole batch.
 
 On the benchmark's mixed workload (SmolLM2, 4-token drafts, an AMD EPYC, 2 threads),
 in one engine taking turns: 6.56-6.58 s with both, 6.71-6.75 s with a 4-token draft
