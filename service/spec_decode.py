@@ -48,11 +48,13 @@ requests pays (engines taking turns in one process, fastest and median turn):
   4.47 s;
 - 64 requests (512 MiB of KV cache): up to 16 running 9.13 and 9.25 s, up to 32 8.78
   and 8.97 s, up to 64 8.39 and 8.67 s;
+- 128 requests (1 GiB): up to 16 running 16.98 and 17.10 s, up to 64 16.09 and 16.25 s;
 - two more seeds of 32 requests, up to 16 against up to 64 running, fastest turns: 3.80
   against 3.73 s, and 3.50 against 3.39 s.
 
 So the default is 64. On the AMD EPYC the limit moved the time by under 1%; on the Intel
-Xeon drafting from up to 32 or 64 took 2-8% less than from up to 16.
+Xeon drafting from up to 32 or 64 took 2-8% less than from up to 16, at 32 to 128
+requests.
 """
 
 from __future__ import annotations
