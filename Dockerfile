@@ -89,7 +89,7 @@ RUN python -c "from pagedinfer.service.loader import ensure_default_model; ensur
     && rm -rf /tmp/* /tmp/.[!.]*
 USER 10001:10001
 WORKDIR /home/pagedinfer
-# gRPC inference, Prometheus metrics.
-EXPOSE 50051 9464
+# OpenAI-compatible HTTP, gRPC inference, Prometheus metrics.
+EXPOSE 8000 50051 9464
 ENTRYPOINT ["pagedinfer"]
 CMD ["serve"]

@@ -7,21 +7,39 @@ and a selector label naming their InferenceService.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import kopf
 
-from pagedinfer.operator.spec import DEFAULT_REPLICAS, GROUP, InferenceServiceSpec, parse_spec
+from pagedinfer.operator.spec import (
+    DEFAULT_REPLICAS,
+    GROUP,
+    METRICS_PORT,
+    InferenceServiceSpec,
+    parse_spec,
+)
 
+# The container's ports; the Service maps its own (spec.service) onto them by name.
+HTTP_PORT = 8000
 GRPC_PORT = 50051
-METRICS_PORT = 9464
+HEALTH_PATH = "/health"
 SERVER_CONTAINER = "server"
 MODEL_VOLUME = "model"
 MODEL_MOUNT = "/models"
 MANAGED_BY = "pagedinfer-operator"
 INSTANCE_LABEL = f"{GROUP}/inferenceservice"
 MODEL_ANNOTATION = f"{GROUP}/model"
+# The endpoint picker of the Gateway API Inference Extension reads this pod label to pick
+# the metric names it scrapes (see examples/inferencepool.yaml); an engine it does not
+# know falls back to its default one, vLLM's names, which pagedinfer exports too.
+ENGINE_TYPE_LABEL = "llm-d.ai/engine-type"
+ENGINE_TYPE = "pagedinfer"
+STARTUP_PROBE_PERIOD_S = 10
+# After drainSeconds the server cancels what is left and exits; this is its time to do so
+# before the kubelet's SIGKILL.
+EXIT_MARGIN_S = 10
 
 # The restricted Pod Security Standard; the image runs as uid 10001.
 POD_SECURITY = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
@@ -82,8 +100,21 @@ def deployment_replicas(spec: InferenceServiceSpec, current: int | None) -> int:
 
 
 def server_args(spec: InferenceServiceSpec) -> list[str]:
-    args = ["serve", "--port", str(GRPC_PORT), "--metrics-port", str(METRICS_PORT)]
+    args = [
+        "serve",
+        "--port",
+        str(GRPC_PORT),
+        "--http-port",
+        str(HTTP_PORT),
+        "--metrics-port",
+        str(METRICS_PORT),
+        "--grace-period",
+        str(spec.lifecycle.drain_s),
+    ]
     model = spec.model
+    if model.name:
+        # The name clients put in `model`, and the `model_name` label of the vllm:* series.
+        args += ["--served-model-name", model.name]
     if model.image_path:
         args += ["--model", model.image_path]
     elif model.pvc_claim:
@@ -105,13 +136,28 @@ def container_resources(spec: InferenceServiceSpec) -> dict[str, Any]:
     return resources
 
 
-def _grpc_probe(period: int, failures: int) -> dict[str, Any]:
+def uses_tls(spec: InferenceServiceSpec) -> bool:
+    """Whether the server's extra flags turn TLS on (its HTTP port then speaks HTTPS)."""
+    return any(
+        a == "--tls-cert" or a.startswith("--tls-cert=") for a in spec.engine.get("extraArgs", [])
+    )
+
+
+def _health_probe(spec: InferenceServiceSpec, period: int, failures: int) -> dict[str, Any]:
+    """GET /health on the HTTP port: 200 while serving, 503 while loading or draining."""
+    scheme = "HTTPS" if uses_tls(spec) else "HTTP"
     return {
-        "grpc": {"port": GRPC_PORT},
+        "httpGet": {"path": HEALTH_PATH, "port": "http", "scheme": scheme},
         "periodSeconds": period,
         "timeoutSeconds": 5,
         "failureThreshold": failures,
     }
+
+
+def termination_grace_period(spec: InferenceServiceSpec) -> int:
+    """Seconds between the pod's deletion and SIGKILL: the preStop sleep, the server's
+    drain of in-flight requests after SIGTERM, and its exit."""
+    return spec.lifecycle.pre_stop_sleep_s + spec.lifecycle.drain_s + EXIT_MARGIN_S
 
 
 def build_deployment(body: Mapping[str, Any], replicas: int, default_image: str) -> dict[str, Any]:
@@ -141,14 +187,27 @@ def build_deployment(body: Mapping[str, Any], replicas: int, default_image: str)
         "command": ["pagedinfer"],
         "args": server_args(spec),
         "ports": [
+            {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
             {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
         ],
-        # Loading (and on first start converting) the model takes a while: the startup
-        # probe allows 10 minutes before liveness takes over.
-        "startupProbe": _grpc_probe(period=10, failures=60),
-        "readinessProbe": _grpc_probe(period=5, failures=2),
-        "livenessProbe": _grpc_probe(period=10, failures=3),
+        # /health answers 503 until the model is loaded: the startup probe waits for it
+        # up to spec.lifecycle.startupTimeoutSeconds before liveness takes over. The
+        # kubelet stops liveness and startup probes once the pod is being deleted, so a
+        # draining server's 503 only takes it out of the endpoints.
+        "startupProbe": _health_probe(
+            spec,
+            period=STARTUP_PROBE_PERIOD_S,
+            failures=math.ceil(spec.lifecycle.startup_timeout_s / STARTUP_PROBE_PERIOD_S),
+        ),
+        "readinessProbe": _health_probe(spec, period=5, failures=2),
+        "livenessProbe": _health_probe(spec, period=10, failures=3),
+        # Endpoints, gateways and endpoint pickers learn of a deletion a few seconds late:
+        # keep serving meanwhile, so that no new request lands on a server that has
+        # stopped admitting. SIGTERM follows, and the server drains (--grace-period).
+        "lifecycle": {
+            "preStop": {"exec": {"command": ["sleep", str(spec.lifecycle.pre_stop_sleep_s)]}}
+        },
         "resources": container_resources(spec),
         "securityContext": CONTAINER_SECURITY,
         "volumeMounts": mounts,
@@ -165,8 +224,7 @@ def build_deployment(body: Mapping[str, Any], replicas: int, default_image: str)
         # The server never talks to the API server.
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        # The server drains in-flight calls for 25 s after SIGTERM.
-        "terminationGracePeriodSeconds": 30,
+        "terminationGracePeriodSeconds": termination_grace_period(spec),
     }
     for key in (
         "nodeSelector",
@@ -190,7 +248,11 @@ def build_deployment(body: Mapping[str, Any], replicas: int, default_image: str)
             "selector": {"matchLabels": selector_labels(name)},
             "template": {
                 "metadata": {
-                    "labels": {**(overrides.get("labels") or {}), **labels},
+                    "labels": {
+                        ENGINE_TYPE_LABEL: ENGINE_TYPE,
+                        **(overrides.get("labels") or {}),
+                        **labels,
+                    },
                     "annotations": annotations,
                 },
                 "spec": pod_spec,
@@ -202,7 +264,7 @@ def build_deployment(body: Mapping[str, Any], replicas: int, default_image: str)
 
 
 def build_service(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The Service in front of the InferenceService's pods: gRPC, and metrics."""
+    """The Service in front of the InferenceService's pods: HTTP, gRPC, and metrics."""
     name = body["metadata"]["name"]
     spec = parse_spec(body.get("spec") or {})
     annotations = dict(spec.service.annotations)
@@ -216,6 +278,13 @@ def build_service(body: Mapping[str, Any]) -> dict[str, Any]:
             "type": spec.service.type,
             "selector": selector_labels(name),
             "ports": [
+                {
+                    "name": "http",
+                    "port": spec.service.http_port,
+                    "targetPort": "http",
+                    "protocol": "TCP",
+                    "appProtocol": "https" if uses_tls(spec) else "http",
+                },
                 {
                     "name": "grpc",
                     "port": spec.service.port,
@@ -237,7 +306,15 @@ def build_service(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def service_url(body: Mapping[str, Any]) -> str:
-    """The in-cluster gRPC address clients use."""
+    """The in-cluster address of the OpenAI-compatible HTTP API."""
+    meta = body["metadata"]
+    spec = parse_spec(body.get("spec") or {})
+    scheme = "https" if uses_tls(spec) else "http"
+    return f"{scheme}://{meta['name']}.{meta['namespace']}.svc:{spec.service.http_port}"
+
+
+def grpc_url(body: Mapping[str, Any]) -> str:
+    """The in-cluster address of the gRPC API."""
     meta = body["metadata"]
     port = parse_spec(body.get("spec") or {}).service.port
     return f"grpc://{meta['name']}.{meta['namespace']}.svc:{port}"

@@ -25,6 +25,13 @@ DEFAULT_REPLICAS = 1  # neither replicas nor autoscaling set
 SERVER_PROMPT_LOOKUP_MIN = 1
 SERVER_PROMPT_LOOKUP_MAX = 3
 DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+# The server's port for Prometheus scrapes, on the pods and the Service; not configurable,
+# so that every pod of every InferenceService is scraped the same way.
+METRICS_PORT = 9464
+# Flags of `pagedinfer serve` that the operator sets itself, because the probes, the
+# Service and the termination grace period depend on them (the CRD refuses them in
+# spec.engine.extraArgs, in the same words).
+OPERATOR_FLAGS = re.compile(r"^--(host|port|http-port|metrics-port|grace-period)(=|$)")
 
 
 @dataclass(frozen=True)
@@ -66,8 +73,18 @@ class ModelSpec:
 @dataclass(frozen=True)
 class ServiceSpec:
     type: str = "ClusterIP"
-    port: int = 50051
+    port: int = 50051  # gRPC
+    http_port: int = 8000  # the OpenAI-compatible HTTP API
     annotations: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LifecycleSpec:
+    """How long a pod may take to start, and how it stops without cutting streams."""
+
+    startup_timeout_s: int = 600  # the model loads (and on a first start converts)
+    drain_s: int = 30  # in-flight requests' time after SIGTERM: `serve --grace-period`
+    pre_stop_sleep_s: int = 5  # serving on while endpoints drop the terminating pod
 
 
 @dataclass(frozen=True)
@@ -82,6 +99,7 @@ class InferenceServiceSpec:
     replicas: int | None = None
     autoscaling: AutoscalingSpec | None = None
     service: ServiceSpec = ServiceSpec()
+    lifecycle: LifecycleSpec = LifecycleSpec()
     template: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -120,6 +138,7 @@ def parse_spec(raw: Mapping[str, Any]) -> InferenceServiceSpec:
     pvc = source.get("pvc") or {}
     accelerator = raw.get("accelerator") or {}
     service = raw.get("service") or {}
+    lifecycle = raw.get("lifecycle") or {}
     autoscaling = raw.get("autoscaling")
     replicas = raw.get("replicas")
     return InferenceServiceSpec(
@@ -139,8 +158,18 @@ def parse_spec(raw: Mapping[str, Any]) -> InferenceServiceSpec:
         autoscaling=None if autoscaling is None else parse_autoscaling(autoscaling),
         service=ServiceSpec(
             type=service.get("type", "ClusterIP"),
-            port=int(service.get("port", 50051)),
+            port=int(service.get("port", ServiceSpec.port)),
+            http_port=int(service.get("httpPort", ServiceSpec.http_port)),
             annotations=dict(service.get("annotations") or {}),
+        ),
+        lifecycle=LifecycleSpec(
+            startup_timeout_s=int(
+                lifecycle.get("startupTimeoutSeconds", LifecycleSpec.startup_timeout_s)
+            ),
+            drain_s=int(lifecycle.get("drainSeconds", LifecycleSpec.drain_s)),
+            pre_stop_sleep_s=int(
+                lifecycle.get("preStopSleepSeconds", LifecycleSpec.pre_stop_sleep_s)
+            ),
         ),
         template=dict(raw.get("template") or {}),
     )
@@ -171,7 +200,18 @@ def validation_errors(body: Mapping[str, Any]) -> list[str]:
     path = ((source or {}).get("pvc") or {}).get("path", "")
     if path.startswith("/") or ".." in path:
         errors.append("spec.model.source.pvc.path: must be relative and must not contain '..'")
+    service = parse_spec(raw).service
+    if service.http_port == service.port:
+        errors.append("spec.service.httpPort: must differ from the gRPC port")
+    if METRICS_PORT in (service.port, service.http_port):
+        errors.append(f"spec.service: port and httpPort must not be {METRICS_PORT} (metrics)")
     engine = raw.get("engine") or {}
+    owned = [a for a in engine.get("extraArgs", []) if OPERATOR_FLAGS.match(a)]
+    if owned:
+        errors.append(
+            "spec.engine.extraArgs: must not set --host, --port, --http-port, --metrics-port "
+            f"or --grace-period, which the operator sets (got {', '.join(owned)})"
+        )
     if engine.get("maxModelLen", 1 << 30) < engine.get("blockSize", 0):
         errors.append("spec.engine.maxModelLen: must be at least blockSize")
     lookup_min = engine.get("promptLookupMin", SERVER_PROMPT_LOOKUP_MIN)

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pagedinfer.operator.autoscaler import Decision, ScaleEvent
-from pagedinfer.operator.resources import selector_string, service_url
+from pagedinfer.operator.resources import grpc_url, selector_string, service_url
 
 HISTORY_LENGTH = 10
 
@@ -73,6 +73,7 @@ def deployment_status(
     fields: dict[str, Any] = {
         "selector": selector_string(meta["name"]),
         "url": service_url(body),
+        "grpcUrl": grpc_url(body),
     }
     if invalid:
         message = "; ".join(invalid)

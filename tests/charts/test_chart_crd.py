@@ -90,7 +90,7 @@ def test_scale_subresource_and_printer_columns_point_at_schema_fields(crd):
     paths = [scale["specReplicasPath"], scale["statusReplicasPath"], scale["labelSelectorPath"]]
     assert paths == [".spec.replicas", ".status.replicas", ".status.selector"]
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
-    assert list(columns) == ["Ready", "Replicas", "Desired", "FreeBlocks", "Age"]
+    assert list(columns) == ["Ready", "Replicas", "Desired", "FreeBlocks", "Age", "URL"]
     for path in [*paths, *columns.values()]:
         if path.startswith(".metadata."):
             continue
@@ -204,6 +204,7 @@ def test_every_spec_field_the_operator_reads_exists_in_the_crd(crd, full_body, m
     resources.build_deployment(body, replicas=2, default_image="pagedinfer:test")
     resources.build_service(body)
     resources.service_url(body)
+    resources.grpc_url(body)
 
     spec_reads = sorted(r for r in reads if r.startswith("spec."))
     # Through the typed spec's mappings too, not only parse_spec's own reads.
@@ -225,9 +226,13 @@ def test_server_args_the_operator_builds_are_accepted_by_pagedinfer_serve(full_b
     deployment = resources.build_deployment(full_body, replicas=1, default_image="x")
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     assert container["command"] == ["pagedinfer"]
-    args = [a for a in container["args"] if a != "a"]  # the sample's engine.extraArgs
-    parsed = build_parser("serve").parse_args(args)
+    extra = full_body["spec"]["engine"]["extraArgs"]  # the sample's, not real flags
+    assert container["args"][-len(extra) :] == extra
+    parsed = build_parser("serve").parse_args(container["args"][: -len(extra)])
     assert parsed.command == "serve"
+    assert parsed.http_port == resources.HTTP_PORT
+    assert parsed.grace_period == full_body["spec"]["lifecycle"]["drainSeconds"]
+    assert parsed.served_model_name == full_body["spec"]["model"]["name"]
 
 
 @pytest.mark.parametrize(
@@ -341,7 +346,8 @@ def test_every_status_field_the_operator_writes_exists_in_the_crd(full_body, isv
         missing=("pod-b",),
     )
     written |= status.autoscaling_status(written, decision, 2, {"pod-b": "timed out"}, now)
-    assert {"url", "selector", "conditions", "desiredReplicas", "autoscaling"} <= set(written)
+    written_fields = {"url", "grpcUrl", "selector", "conditions", "desiredReplicas", "autoscaling"}
+    assert written_fields <= set(written)
     assert written["autoscaling"]["history"], "a scaling action was recorded"
     assert schema_errors(isvc_validator, {**full_body, "status": written}) == []
 

@@ -7,7 +7,10 @@ newest Kubernetes the chart supports, and InferenceServices must pass the CRD's 
 
 from __future__ import annotations
 
+import http.server
 import importlib.util
+import json
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -414,14 +417,70 @@ def test_bad_values_are_refused_with_the_key_named(sets, message):
     assert message in result.stderr
 
 
-def test_helm_test_script_reads_the_grpc_target_from_status_url():
+def helm_test_module():
     path = CHART_DIR / "files" / "helm_test.py"
     spec = importlib.util.spec_from_file_location("pagedinfer_helm_test", path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.grpc_target({"status": {"url": "grpc://a.b.svc:50051"}}) == "a.b.svc:50051"
-    assert module.grpc_target({"status": {"url": "a.b.svc:50051"}}) == "a.b.svc:50051"
+    return module
+
+
+def test_helm_test_script_reads_both_endpoints_from_the_status():
+    module = helm_test_module()
+    status = {"url": "http://a.b.svc:8000/", "grpcUrl": "grpc://a.b.svc:50051"}
+    assert module.http_url({"status": status}) == "http://a.b.svc:8000"
+    assert module.grpc_target({"status": status}) == "a.b.svc:50051"
+    assert module.grpc_target({"status": {"grpcUrl": "a.b.svc:50051"}}) == "a.b.svc:50051"
+
+
+class _FakeServer(http.server.BaseHTTPRequestHandler):
+    """/health answers with the class's status; /v1/models lists its models."""
+
+    health = 200
+    models: tuple[str, ...] = ()
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            status, body = self.health, b""
+        elif self.path == "/v1/models":
+            status = 200
+            body = json.dumps({"object": "list", "data": [{"id": m} for m in self.models]})
+            body = body.encode()
+        else:
+            status, body = 404, b""
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_server():
+    handler = type("Handler", (_FakeServer,), {})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield handler, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_helm_test_script_waits_for_health_and_the_model(fake_server):
+    module = helm_test_module()
+    handler, base = fake_server
+    handler.health = 503  # loading
+    assert module.http_healthy(base) is False
+    handler.health = 200
+    assert module.http_healthy(base) is True
+    assert module.serves_model(base, "") is False  # no model listed yet
+    handler.models = ("smollm2-135m-instruct",)
+    assert module.serves_model(base, "smollm2-135m-instruct") is True
+    assert module.serves_model(base, "") is True
+    assert module.serves_model(base, "other") is False
 
 
 def test_helm_test_script_in_the_configmap_is_the_file_in_the_chart():

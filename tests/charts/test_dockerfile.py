@@ -186,12 +186,13 @@ def test_one_image_runs_serve_and_operator():
     assert {"serve", "operator"} <= set(COMMANDS)
 
 
-def test_exposes_the_grpc_port_of_the_crd_and_the_metrics_port():
+def test_exposes_the_http_and_grpc_ports_of_the_crd_and_the_metrics_port():
     crd = yaml.safe_load((CHART_DIR / "crds" / "inferenceservices.yaml").read_text())
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-    grpc_port = schema["properties"]["spec"]["properties"]["service"]["properties"]["port"]
+    service = schema["properties"]["spec"]["properties"]["service"]["properties"]
     (expose,) = FINAL.all("EXPOSE")
-    assert expose.split() == [str(grpc_port["default"]), "9464"]
+    ports = [service["httpPort"]["default"], service["port"]["default"], 9464]
+    assert expose.split() == [str(p) for p in ports]
 
 
 @pytest.mark.parametrize("stage", ["runtime-cuda"])

@@ -10,6 +10,7 @@ from crd_tools import EXAMPLES, apply_defaults, openapi_schema
 from pagedinfer.operator.resources import (
     build_deployment,
     build_service,
+    grpc_url,
     selector_labels,
     selector_string,
     server_args,
@@ -54,14 +55,92 @@ def test_the_deployment_runs_the_server() -> None:
     assert deployment["spec"]["replicas"] == 2
     assert container["image"] == IMAGE
     assert container["command"] == ["pagedinfer"]
-    assert container["args"] == ["serve", "--port", "50051", "--metrics-port", "9464"]
+    assert container["args"] == [
+        "serve",
+        "--port",
+        "50051",
+        "--http-port",
+        "8000",
+        "--metrics-port",
+        "9464",
+        "--grace-period",
+        "30",
+    ]
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
+        "http": 8000,
         "grpc": 50051,
         "metrics": 9464,
     }
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"] == {"port": 50051}
     assert pod["automountServiceAccountToken"] is False
+
+
+def test_every_probe_asks_the_http_health_endpoint() -> None:
+    container = build_deployment(cr({}), 1, IMAGE)["spec"]["template"]["spec"]["containers"][0]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTP"}
+    # Loading the model may take the default 10 minutes before liveness takes over...
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] == 600
+    # ...while a server that stops answering leaves the endpoints within seconds.
+    ready = container["readinessProbe"]
+    assert ready["periodSeconds"] * ready["failureThreshold"] <= 10
+    live = container["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] >= 30
+
+
+def test_the_startup_timeout_sets_the_startup_probe() -> None:
+    body = cr({"lifecycle": {"startupTimeoutSeconds": 1805}})
+    startup = build_deployment(body, 1, IMAGE)["spec"]["template"]["spec"]["containers"][0][
+        "startupProbe"
+    ]
+    # Rounded up: never less time than asked for.
+    assert (startup["periodSeconds"], startup["failureThreshold"]) == (10, 181)
+
+
+@pytest.mark.parametrize(
+    ("lifecycle", "drain", "sleep", "grace"),
+    [({}, "30", "5", 45), ({"drainSeconds": 120, "preStopSleepSeconds": 15}, "120", "15", 145)],
+)
+def test_a_deleted_pod_finishes_its_streams_before_it_is_killed(
+    lifecycle: dict, drain: str, sleep: str, grace: int
+) -> None:
+    """preStop sleep (the pod leaves the endpoints while it still serves), then SIGTERM
+    and the server's drain (--grace-period), then its exit: all before SIGKILL."""
+    pod = build_deployment(cr({"lifecycle": lifecycle}), 1, IMAGE)["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    assert args[args.index("--grace-period") + 1] == drain
+    assert container["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", sleep]}}}
+    assert pod["terminationGracePeriodSeconds"] == grace
+    assert grace > int(drain) + int(sleep)
+
+
+def test_the_model_name_is_the_served_model_name() -> None:
+    args = server_args(parse_spec({"model": {"name": "llama-3.2-1b"}}))
+    assert args[args.index("--served-model-name") + 1] == "llama-3.2-1b"
+    assert "--served-model-name" not in server_args(parse_spec({}))
+
+
+def test_tls_flags_switch_the_probes_and_the_url_to_https() -> None:
+    extra = ["--tls-cert=/tls/tls.crt", "--tls-key", "/tls/tls.key"]
+    body = cr({"engine": {"extraArgs": extra}})
+    container = build_deployment(body, 1, IMAGE)["spec"]["template"]["spec"]["containers"][0]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["scheme"] == "HTTPS"
+    (http,) = [p for p in build_service(body)["spec"]["ports"] if p["name"] == "http"]
+    assert http["appProtocol"] == "https"
+    assert service_url(body) == "https://llm.ns.svc:8000"
+
+
+def test_pods_name_their_engine_for_the_endpoint_picker() -> None:
+    labels = build_deployment(cr({}), 1, IMAGE)["spec"]["template"]["metadata"]["labels"]
+    assert labels["llm-d.ai/engine-type"] == "pagedinfer"
+    # An explicit template label wins; the selector label never moves.
+    template = {"metadata": {"labels": {"llm-d.ai/engine-type": "custom"}}}
+    labels = build_deployment(cr({"template": template}), 1, IMAGE)["spec"]["template"]["metadata"][
+        "labels"
+    ]
+    assert labels["llm-d.ai/engine-type"] == "custom"
 
 
 def test_children_are_owned_by_the_inferenceservice() -> None:
@@ -233,11 +312,23 @@ def test_overrides_cannot_break_the_selector() -> None:
     ] == ("llm")
 
 
-def test_the_service_exposes_grpc_and_metrics() -> None:
-    body = cr({"service": {"type": "LoadBalancer", "port": 8001, "annotations": {"a": "b"}}})
+def test_the_service_exposes_http_grpc_and_metrics() -> None:
+    service = build_service(cr({}))
+    ports = {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]}
+    assert ports == {"http": (8000, "http"), "grpc": (50051, "grpc"), "metrics": (9464, "metrics")}
+    appprotocols = {p["name"]: p.get("appProtocol") for p in service["spec"]["ports"]}
+    assert appprotocols == {"http": "http", "grpc": "kubernetes.io/h2c", "metrics": None}
+    assert service_url(cr({})) == "http://llm.ns.svc:8000"
+    assert grpc_url(cr({})) == "grpc://llm.ns.svc:50051"
+
+
+def test_the_service_ports_and_type_are_configurable() -> None:
+    service_spec = {"type": "LoadBalancer", "port": 8001, "httpPort": 80, "annotations": {"a": "b"}}
+    body = cr({"service": service_spec})
     service = build_service(body)
     assert service["spec"]["type"] == "LoadBalancer"
     assert service["metadata"]["annotations"] == {"a": "b"}
     ports = {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]}
-    assert ports == {"grpc": (8001, "grpc"), "metrics": (9464, "metrics")}
-    assert service_url(body) == "grpc://llm.ns.svc:8001"
+    assert ports == {"http": (80, "http"), "grpc": (8001, "grpc"), "metrics": (9464, "metrics")}
+    assert service_url(body) == "http://llm.ns.svc:80"
+    assert grpc_url(body) == "grpc://llm.ns.svc:8001"

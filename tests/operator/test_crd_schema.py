@@ -66,7 +66,7 @@ def test_the_crd_keeps_the_api_contract() -> None:
         },
     }
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Ready", "Replicas", "Desired", "FreeBlocks", "Age"]
+    assert columns == ["Ready", "Replicas", "Desired", "FreeBlocks", "Age", "URL"]
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
     for field in (
         "observedGeneration",
@@ -75,6 +75,7 @@ def test_the_crd_keeps_the_api_contract() -> None:
         "desiredReplicas",
         "selector",
         "url",
+        "grpcUrl",
         "autoscaling",
         "conditions",
     ):
@@ -86,7 +87,7 @@ def test_every_cel_rule_compiles() -> None:
 
     env = celpy.Environment()
     rules = all_cel_rules()
-    assert len(rules) == 7
+    assert len(rules) == 10
     for rule in rules:
         env.compile(rule)
 
@@ -239,6 +240,34 @@ INVALID = {
         False,
     ),
     "a port out of range": ({"service": {"port": 70000}}, "spec.service.port", False),
+    "an HTTP port out of range": ({"service": {"httpPort": 0}}, "spec.service.httpPort", False),
+    "the gRPC port on the default HTTP port": (
+        {"service": {"port": 8000}},
+        "spec.service.httpPort",
+        True,
+    ),
+    "the HTTP port on the metrics port": ({"service": {"httpPort": 9464}}, "spec.service", True),
+    "extra flags moving the HTTP port": (
+        {"engine": {"extraArgs": ["--http-port=9000"]}},
+        "spec.engine.extraArgs",
+        True,
+    ),
+    "extra flags shortening the drain": (
+        {"engine": {"extraArgs": ["--seed", "1", "--grace-period", "5"]}},
+        "spec.engine.extraArgs",
+        True,
+    ),
+    "a startup timeout under 10 s": (
+        {"lifecycle": {"startupTimeoutSeconds": 5}},
+        "spec.lifecycle.startupTimeoutSeconds",
+        False,
+    ),
+    "a negative drain": ({"lifecycle": {"drainSeconds": -1}}, "spec.lifecycle.drainSeconds", False),
+    "a preStop sleep over 5 minutes": (
+        {"lifecycle": {"preStopSleepSeconds": 301}},
+        "spec.lifecycle.preStopSleepSeconds",
+        False,
+    ),
     "a malformed quantity": (
         {"resources": {"limits": {"memory": "2 GB"}}},
         "spec.resources.limits.memory",
@@ -281,9 +310,20 @@ def test_python_rules_agree_with_the_crd_on_valid_objects() -> None:
         {"engine": {"numSpeculativeTokens": 16, "promptLookupMin": 32, "promptLookupMax": 32}},
         {"engine": {"promptLookupMin": 3}},  # up to the server's default max
         {"engine": {"promptLookupMax": 1}},  # down to the server's default min
+        {"service": {"port": 8000, "httpPort": 8080}},
+        {"lifecycle": {"drainSeconds": 0, "preStopSleepSeconds": 0}},
+        # Flags that only start like the ones the operator sets.
+        {"engine": {"extraArgs": ["--portal", "--hostname=x", "--tls-cert", "/tls/crt"]}},
     ]:
         assert admission_errors(isvc(spec)) == []
         assert validation_errors(isvc(spec)) == []
+
+
+def test_the_extra_flags_refusal_names_the_flags() -> None:
+    body = isvc({"engine": {"extraArgs": ["--port", "1", "--metrics-port=2", "--seed", "3"]}})
+    (error,) = validation_errors(body)
+    assert error.startswith("spec.engine.extraArgs: must not set --host, --port")
+    assert error.endswith("(got --port, --metrics-port=2)")
 
 
 def test_the_promptlookup_refusal_names_both_values() -> None:
@@ -314,6 +354,7 @@ def test_the_operator_defaults_equal_the_crd_defaults() -> None:
         "accelerator": {"count": 1},
         "autoscaling": {"maxReplicas": 3},
         "service": {},
+        "lifecycle": {},
     }
     schema = openapi_schema()["properties"]["spec"]
     defaulted = apply_defaults(schema, copy.deepcopy(spec))

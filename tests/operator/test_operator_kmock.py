@@ -120,7 +120,8 @@ async def test_creation_yields_an_owned_deployment_and_service(cluster, operator
     assert condition(cluster, "static", "Ready")["status"] == "True"
     assert condition(cluster, "static", "ScalingActive")["reason"] == "AutoscalingDisabled"
     assert st["selector"] == "serving.pagedinfer.dev/inferenceservice=static"
-    assert st["url"] == f"grpc://static.{NS}.svc:50051"
+    assert st["url"] == f"http://static.{NS}.svc:8000"
+    assert st["grpcUrl"] == f"grpc://static.{NS}.svc:50051"
     assert st["observedGeneration"] == 1
     # A fixed-size InferenceService needs no finalizer.
     body = get(cluster, f"{GROUP}/{VERSION}/{PLURAL}", "static")

@@ -86,7 +86,8 @@ def test_deployment_status(dep, ready, deployment_ready, counts) -> None:
     assert (update["replicas"], update["readyReplicas"], update["desiredReplicas"]) == counts
     assert update["observedGeneration"] == 3
     assert update["selector"] == "serving.pagedinfer.dev/inferenceservice=llm"
-    assert update["url"] == "grpc://llm.ns.svc:50051"
+    assert update["url"] == "http://llm.ns.svc:8000"
+    assert update["grpcUrl"] == "grpc://llm.ns.svc:50051"
 
 
 def test_an_invalid_spec_is_not_ready_and_not_observed() -> None:

@@ -2,8 +2,10 @@
 
 It passes when the operator's Deployment is available and the InferenceService API is
 served, and, when the chart's example InferenceService is on, when that service reports
-a ready replica and its gRPC endpoint answers the standard health check with SERVING.
-Only the standard library talks to the API server; grpc comes with the image.
+a ready replica, its HTTP endpoint (status.url) answers /health with 200 and lists the
+model on /v1/models, and its gRPC endpoint (status.grpcUrl) answers the standard health
+check with SERVING. Only the standard library talks to the API server and the HTTP
+endpoint; grpc comes with the image.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import ssl
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 
@@ -45,10 +48,34 @@ def wait_for(what: str, check: Callable[[], bool], deadline: float) -> None:
     sys.exit(f"FAILED: {what} ({last_error})")
 
 
+def http_url(isvc: dict) -> str:
+    """The service's OpenAI-compatible HTTP endpoint, status.url, without a final /."""
+    return (isvc.get("status", {}).get("url") or "").rstrip("/")
+
+
 def grpc_target(isvc: dict) -> str:
-    """host:port of the service's gRPC endpoint: status.url without its scheme."""
-    url = isvc.get("status", {}).get("url") or ""
+    """host:port of the service's gRPC endpoint: status.grpcUrl without its scheme."""
+    url = isvc.get("status", {}).get("grpcUrl") or ""
     return url.split("://", 1)[-1].rstrip("/")
+
+
+def http_get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:  # 503 while loading or draining
+        return exc.code, exc.read()
+
+
+def http_healthy(base: str) -> bool:
+    return http_get(f"{base}/health")[0] == 200
+
+
+def serves_model(base: str, model: str) -> bool:
+    """/v1/models lists `model` (any model when the spec names none)."""
+    status, body = http_get(f"{base}/v1/models")
+    ids = [m.get("id") for m in json.loads(body).get("data", [])] if status == 200 else []
+    return bool(ids) and (not model or model in ids)
 
 
 def grpc_serving(target: str) -> bool:
@@ -87,7 +114,15 @@ def main() -> None:
         lambda: api_get(f"{isvcs}/{example}").get("status", {}).get("readyReplicas", 0) >= 1,
         deadline,
     )
-    target = grpc_target(api_get(f"{isvcs}/{example}"))
+    isvc = api_get(f"{isvcs}/{example}")
+    base, model = http_url(isvc), isvc.get("spec", {}).get("model", {}).get("name", "")
+    wait_for(f"GET {base}/health is 200", lambda: http_healthy(base), deadline)
+    wait_for(
+        f"GET {base}/v1/models lists {model or 'a model'}",
+        lambda: serves_model(base, model),
+        deadline,
+    )
+    target = grpc_target(isvc)
     wait_for(f"gRPC health of {target} is SERVING", lambda: grpc_serving(target), deadline)
 
 
