@@ -82,7 +82,7 @@ step "applying $EXAMPLE"
 k apply -f "$EXAMPLE"
 k wait --for=condition=Ready "pisvc/$NAME" --timeout=10m || { dump; exit 1; }
 k get pisvc "$NAME"
-url=$(k get pisvc "$NAME" -o jsonpath='{.status.url}')
+url=$(k get pisvc "$NAME" -o jsonpath='{.status.grpcUrl}')
 target=${url#grpc://}
 echo "gRPC endpoint: $target"
 
