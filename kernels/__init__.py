@@ -1,8 +1,8 @@
 """Paged-attention ops: Triton kernels on GPU, a vectorised torch path on CPU (whose fp32
-new tokens run in numba-compiled kernels where numba is installed: `cpu_decode`, and
-`cpu_verify` for runs of new tokens of one sequence: a draft and the decode it
+new tokens run in numba-compiled kernels where numba is installed: `paged_decode`, and
+`paged_verify` for runs of new tokens of one sequence: a draft and the decode it
 verifies, or a prompt).
-`cpu_layer` holds the other compiled CPU kernels: the small ops between a layer's GEMMs,
+`layer_ops` holds the other compiled CPU kernels: the small ops between a layer's GEMMs,
 which the model calls directly.
 
 KV cache per layer: `k_cache`, `v_cache`, each `[num_blocks, block_size, num_kv_heads,
@@ -23,9 +23,10 @@ from types import ModuleType
 import torch
 
 from pagedinfer.kernels import torch_ops
+from pagedinfer.kernels.metadata import AttentionMetadata
 from pagedinfer.kernels.validation import check_paged_attention, check_write_kv
 
-__all__ = ["paged_attention", "use_triton", "write_kv"]
+__all__ = ["AttentionMetadata", "paged_attention", "use_triton", "write_kv"]
 
 
 def use_triton(t: torch.Tensor) -> bool:

@@ -18,9 +18,9 @@ arithmetic runs in bf16 when query and cache are bf16 and the CPU has native bf1
 elsewhere, are slow on CPU); the output takes query's dtype.
 
 Decodes over an fp32 cache skip the gather where numba is installed: the compiled kernel
-of `cpu_decode` reads their K/V in place, once. So do sequences with a few new tokens (a
-decode verifying a speculative draft): `cpu_verify` takes runs of their tokens, reading
-each block once for a whole run, and `cpu_decode` the rest, a row per token; both give a
+of `paged_decode` reads their K/V in place, once. So do sequences with a few new tokens (a
+decode verifying a speculative draft): `paged_verify` takes runs of their tokens, reading
+each block once for a whole run, and `paged_decode` the rest, a row per token; both give a
 token the same bits, and one dispatch to the threads runs both. PAGEDINFER_CPU_KERNELS=torch
 keeps them on the gather path. Longer prefills always take it: they are compute-bound,
 and SDPA's blocked kernel is the better one there.
@@ -108,7 +108,7 @@ class _Decodes:
 @dataclass
 class _Runs:
     """Runs of new tokens of one sequence that the compiled verify kernel serves, the
-    longest context first (see `cpu_verify.verify_attention`)."""
+    longest context first (see `paged_verify.verify_attention`)."""
 
     query_rows: np.ndarray  # int64 [n], query row of the run's first token
     counts: np.ndarray  # int32 [n], tokens in the run
@@ -137,7 +137,7 @@ COMPILED_MAX_QUERY = 17
 
 
 def compiled_kernels() -> bool:
-    """Whether the numba-compiled CPU kernels (`cpu_decode`, `cpu_layer`) are in use:
+    """Whether the numba-compiled CPU kernels (`paged_decode`, `layer_ops`) are in use:
     numba is installed and PAGEDINFER_CPU_KERNELS is not `torch` (the opt-out)."""
     return os.environ.get("PAGEDINFER_CPU_KERNELS", "compiled") != "torch" and _numba_installed()
 
@@ -151,38 +151,38 @@ def compiled_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """Whether decodes on these tensors take the compiled kernel (see the module doc)."""
     if not compiled_kernels():
         return False
-    module = _cpu_decode()
+    module = _paged_decode()
     return module is not None and module.supports(query, k_cache, v_cache)
 
 
 @functools.cache
-def _cpu_decode() -> ModuleType | None:
+def _paged_decode() -> ModuleType | None:
     """The compiled decode kernel's module, or None where numba is not installed."""
     if not _numba_installed():
         return None
-    from pagedinfer.kernels import cpu_decode
+    from pagedinfer.kernels.cpu import paged_decode
 
-    return cpu_decode
+    return paged_decode
 
 
 def compiled_verify_rows(query: torch.Tensor, k_cache: torch.Tensor) -> int:
     """The most new tokens of one sequence that the compiled verify kernel serves in one
-    run for these shapes, 0 for none (`cpu_verify.rows_per_run`). Meaningful only where
+    run for these shapes, 0 for none (`paged_verify.rows_per_run`). Meaningful only where
     `compiled_decode` holds: it checks nothing else."""
-    module = _cpu_verify()
+    module = _paged_verify()
     if module is None:
         return 0
     return module.rows_per_run(query.shape[1], k_cache.shape[2], k_cache.shape[3])
 
 
 @functools.cache
-def _cpu_verify() -> ModuleType | None:
+def _paged_verify() -> ModuleType | None:
     """The compiled verify kernel's module, or None where numba is not installed."""
     if not _numba_installed():
         return None
-    from pagedinfer.kernels import cpu_verify
+    from pagedinfer.kernels.cpu import paged_verify
 
-    return cpu_verify
+    return paged_verify
 
 
 def plan_for(
@@ -192,10 +192,11 @@ def plan_for(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
+    compiled: bool = True,
 ) -> AttentionPlan:
     """The plan `paged_attention` makes when given none: the compiled kernels wherever
-    these tensors allow them."""
-    compiled = compiled_decode(query, k_cache, v_cache)
+    these tensors allow them (compiled=False: plain torch ops only)."""
+    compiled = compiled and compiled_decode(query, k_cache, v_cache)
     verify_rows = compiled_verify_rows(query, k_cache) if compiled else 0
     return plan_attention(
         block_tables, seq_lens, query_start_loc, k_cache.shape[1], compiled, verify_rows
@@ -438,7 +439,7 @@ def _run_compiled(
     jobs = []
     d, r = plan.decodes, plan.runs
     if d is not None and d.query_rows.size:
-        decode = _cpu_decode()
+        decode = _paged_decode()
         if decode is None or not decode.supports(query, k_cache, v_cache, out):
             raise ValueError("plan: compiled decodes, but these tensors cannot take them")
         jobs.append(
@@ -447,10 +448,10 @@ def _run_compiled(
             )
         )
     if r is not None and r.query_rows.size:
-        verify = _cpu_verify()
+        verify = _paged_verify()
         if (
             verify is None
-            or not _cpu_decode().supports(query, k_cache, v_cache, out)
+            or not _paged_decode().supports(query, k_cache, v_cache, out)
             or compiled_verify_rows(query, k_cache) < plan.verify_rows
         ):
             raise ValueError("plan: compiled verify runs, but these tensors cannot take them")
@@ -468,7 +469,7 @@ def _run_compiled(
             )
         )
     if jobs:
-        from pagedinfer.kernels.cpu_numba import run_jobs  # imports numba: only here
+        from pagedinfer.kernels.cpu.numba_support import run_jobs  # imports numba: only here
 
         run_jobs(jobs)
 

@@ -29,13 +29,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from pagedinfer.service.models.llama import (
-    Linear,
-    LlamaModel,
-    ModelConfig,
-    cpu_mkl_packing_available,
-    cpu_weight_packing_available,
-)
+from pagedinfer.service.models.llama import Linear, LlamaModel, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -188,15 +182,12 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     max_model_len: int | None = None,
-    pack: bool = True,
 ) -> LoadedModel:
     """Load a model: None = the embedded default; a local Hugging Face directory; a .gguf file.
 
     max_model_len: the longest context that will be served (default: the model's
     max_position_embeddings); features that only break beyond some length (sliding
     windows, dynamic rope) are refused only when it reaches them.
-    pack: on CPU, reorder the GEMM weights into the matmul library's packed layout where
-    it is faster (fp32 with MKL, bf16 with native bf16); False keeps them dense.
     Raises ValueError naming what was found for a missing path or an unsupported model.
     """
     device = torch.device(device)
@@ -233,18 +224,6 @@ def load_model(
     _load_weights(module, weight_files)
     module.rotary.reset_cache()
     module.eval()
-    if pack and cpu_weight_packing_available(device, dtype):
-        module.pack_weights()
-    elif pack and cpu_mkl_packing_available(device, dtype):
-        module.pack_weights_mkl()
-        if module.fused is not None:
-            logger.info(
-                "fused step: steps of up to %d tokens in one compiled call; greedy tokens %s",
-                module.fused.max_tokens,
-                "picked without their logits (AVX-512 VNNI)"
-                if module.fused.argmax is not None
-                else "from their logits (no AVX-512 VNNI)",
-            )
 
     tokenizer = _load_tokenizer(path)
     if not config.eos_token_ids:

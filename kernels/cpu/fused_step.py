@@ -6,17 +6,17 @@ GEMMs read 538 MB of fp32 weights to do a few MFLOP each, and between them some 
 Python calls per layer each cost their dispatch, with the caches cold after every GEMM.
 Here the step runs as one call on the worker threads:
 
-- the GEMMs read the weights from their quantisation grid (`cpu_gemm`: 98 MB in place
+- the GEMMs read the weights from their quantisation grid (`grid_gemm`: 98 MB in place
   of 538 for SmolLM2), each worker a share of the output tiles;
-- attention runs the same compiled kernels as a step through Python (`cpu_decode`,
-  `cpu_verify`), each worker a share of the sequences;
-- the small ops (`cpu_layer`'s RMSNorm, rotary and K/V write) work row by row, each
+- attention runs the same compiled kernels as a step through Python (`paged_decode`,
+  `paged_verify`), each worker a share of the sequences;
+- the small ops (`layer_ops`'s RMSNorm, rotary and K/V write) work row by row, each
   worker on a share of the rows; the gate/up GEMM applies the SiLU to its own outputs
-  (`cpu_gemm`, silu), so the product is never written and read back;
+  (`grid_gemm`, silu), so the product is never written and read back;
 - between phases the workers wait at a spinning barrier (microseconds), not for Python.
 
 Every operation is the one the step through Python does, in the same order, with the
-same rounding (`cpu_gemm` sums in the library's order): logits come out bit for bit the same,
+same rounding (`grid_gemm` sums in the library's order): logits come out bit for bit the same,
 which keeps speculative decoding exact whichever path a step takes.
 """
 
@@ -30,15 +30,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedinfer.kernels import cpu_argmax, cpu_decode, cpu_gemm, cpu_layer, cpu_verify
-from pagedinfer.kernels.cpu_numba import Job, barrier, cycle_counter, jit, run_jobs
+from pagedinfer.kernels.cpu import greedy_argmax, paged_decode, grid_gemm, layer_ops, paged_verify
+from pagedinfer.kernels.cpu.numba_support import Job, barrier, cycle_counter, jit, run_jobs
 
 # The phases of a step, as `fused_forward` profiles them: each ends where the workers meet
 # at a barrier (the wait there is the phase's too). "start" is the first layer's norm, where
 # the first worker waits for the others to reach the kernel; "rows" moves the rows that
 # reach the LM head to the front before the last layer's MLP; "lm_head" is the logits of
 # the rows that need them and the 8-bit codes of the greedy rows; "approximate" and "pick"
-# are `cpu_argmax`'s other phases. "gate_up" includes the SiLU, which that GEMM applies.
+# are `greedy_argmax`'s other phases. "gate_up" includes the SiLU, which that GEMM applies.
 PHASES = (
     "start",
     "norm",
@@ -72,33 +72,33 @@ PHASES = (
 @dataclass(frozen=True)
 class FusedWeights:
     """A model's weights as the fused step reads them. Layer arrays are stacked:
-    [layers, ...]; each GEMM's codes and scales as in `cpu_gemm.GridWeight`."""
+    [layers, ...]; each GEMM's codes and scales as in `grid_gemm.GridWeight`."""
 
     norms: np.ndarray  # fp32 [layers, 2, hidden]: input and post-attention RMSNorm
     final_norm: np.ndarray  # fp32 [hidden]
     eps: float
     kinds: tuple[str, str, str, str, str]  # q/k/v, o, gate/up, down, LM head
-    orders: tuple[cpu_gemm.SumOrder, ...]  # each GEMM's, as `cpu_gemm.library_order`
+    orders: tuple[grid_gemm.SumOrder, ...]  # each GEMM's, as `grid_gemm.library_order`
     # The most new tokens a step may have here: its GEMMs all take the grid, which serves
-    # calls of up to `cpu_gemm.GRID_MAX_ROWS` rows.
+    # calls of up to `grid_gemm.GRID_MAX_ROWS` rows.
     max_tokens: int
     codes: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
     scales: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-    # The LM head as `cpu_argmax` picks greedy rows' tokens from it; None: every row's
+    # The LM head as `greedy_argmax` picks greedy rows' tokens from it; None: every row's
     # logits are computed.
-    argmax: cpu_argmax.ArgmaxWeights | None = None
+    argmax: greedy_argmax.ArgmaxWeights | None = None
 
     @classmethod
     def stack(
         cls,
-        layers: Sequence[Sequence[cpu_gemm.GridWeight]],
-        lm_head: cpu_gemm.GridWeight,
-        orders: Sequence[cpu_gemm.SumOrder],
+        layers: Sequence[Sequence[grid_gemm.GridWeight]],
+        lm_head: grid_gemm.GridWeight,
+        orders: Sequence[grid_gemm.SumOrder],
         max_tokens: int,
         norms: np.ndarray,
         final_norm: np.ndarray,
         eps: float,
-        argmax: cpu_argmax.ArgmaxWeights | None = None,
+        argmax: greedy_argmax.ArgmaxWeights | None = None,
     ) -> FusedWeights | None:
         """From each layer's four grids (q/k/v, o, gate/up, down) and the library's order
         for each GEMM (the four and the LM head); None where one GEMM's grids differ in
@@ -197,11 +197,11 @@ def fused_forward(
     """Every layer over the new tokens' hidden states [T, hidden] (the embeddings; the
     step's scratch after), then the final norm and LM head of rows logits_indices: fp32 logits
     [S, vocab], and with `greedy` (bool [S]: rows whose only use is their argmax) the
-    argmax tokens int64 [S] that `cpu_argmax` picked for those rows (-1 for every other
+    argmax tokens int64 [S] that `greedy_argmax` picked for those rows (-1 for every other
     row), whose logits are then not computed. plan: the batch's
     `torch_ops.AttentionPlan` with compiled decodes and no padded groups. profile: None,
     or int64 [workers or more, len(PHASES), 2], to which each worker adds the cycles
-    (`cpu_numba.cycle_counter`) it spent in each phase, working and then waiting for the
+    (`numba_support.cycle_counter`) it spent in each phase, working and then waiting for the
     others (a kernel compiled with the counters; without them it is the same code as
     before they were added). arrays: `cache_arrays(kv_caches)`, made here when not given.
     Raises ValueError for a slot past the cache's end."""
@@ -227,11 +227,11 @@ def fused_forward(
     workers = torch.get_num_threads()
     if weights.argmax is not None:
         argmax_args = (
-            *cpu_argmax.weights_args(weights.argmax),
+            *greedy_argmax.weights_args(weights.argmax),
             *weights.argmax.pool.get(argmax_rows.shape[0], workers).args(),
         )
     else:
-        argmax_args = cpu_argmax.no_args()
+        argmax_args = greedy_argmax.no_args()
     sync = np.zeros(2, dtype=np.int64)  # arrivals at barriers; a bad slot's token + 1
     if profile is not None and (
         profile.dtype != np.int64
@@ -307,11 +307,11 @@ def fused_forward(
     positions = np.flatnonzero(~picking)  # of full_logits' rows among the S rows
     argmax = np.full(rows.shape[0], -1, dtype=np.int64)
     argmax[picking] = picked
-    # A greedy row that `cpu_argmax` could not pick (-1) gets its logits after all.
+    # A greedy row that `greedy_argmax` could not pick (-1) gets its logits after all.
     missed = picked < 0
     if missed.any():
         assert weights.argmax is not None
-        late = cpu_gemm.grid_linear(
+        late = grid_gemm.grid_linear(
             torch.from_numpy(argmax_normed[missed]), weights.argmax.grid, weights.argmax.order
         )
         full_logits = torch.cat((full_logits, late))
@@ -329,33 +329,33 @@ _NO_PROFILE = np.zeros((1, len(PHASES), 2), dtype=np.int64)
 def _kernel(
     shape: StepShape,
     kinds: tuple[str, ...],
-    orders: tuple[cpu_gemm.SumOrder, ...],
+    orders: tuple[grid_gemm.SumOrder, ...],
     num_layers: int,
     profiled: bool = False,
 ) -> Callable[..., None]:
     """The compiled step for one model shape (compiled, or loaded from the cache, on first
     call); profiled: counting each phase's cycles into its `prof` argument."""
     nh, nkv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
-    hidden_tiles = shape.hidden // cpu_gemm.LANES
-    qkv_tiles = (nh + 2 * nkv) * d // cpu_gemm.LANES
-    act_tiles = shape.intermediate // cpu_gemm.LANES
-    vocab_tiles = shape.vocab // cpu_gemm.LANES
-    lanes = cpu_gemm.LANES
+    hidden_tiles = shape.hidden // grid_gemm.LANES
+    qkv_tiles = (nh + 2 * nkv) * d // grid_gemm.LANES
+    act_tiles = shape.intermediate // grid_gemm.LANES
+    vocab_tiles = shape.vocab // grid_gemm.LANES
+    lanes = grid_gemm.LANES
     slots_per_layer = nkv * d
 
     def gemm(i: int, in_features: int, silu: bool = False) -> Callable[..., None]:
         order = orders[i]
-        return cpu_gemm.gemm_all_rows(kinds[i], in_features, order.ends, order.fused, silu)
+        return grid_gemm.gemm_all_rows(kinds[i], in_features, order.ends, order.fused, silu)
 
     qkv_gemm = gemm(0, shape.hidden)
     o_gemm = gemm(1, nh * d)
     gate_up_gemm = gemm(2, shape.hidden, silu=True)  # gives silu(gate) * up
     down_gemm = gemm(3, shape.intermediate)
     lm_gemm = gemm(4, shape.hidden)
-    quantize, approximate, pick = cpu_argmax.phase_kernels(shape.hidden, orders[4])
-    decode = cpu_decode._kernel(shape.block_size, nh, nkv, d)
-    verify = cpu_verify._kernel(shape.block_size, nh, nkv, d)
-    rms_norm, rope_write_kv = cpu_layer._rms_norm, cpu_layer._rope_write_kv
+    quantize, approximate, pick = greedy_argmax.phase_kernels(shape.hidden, orders[4])
+    decode = paged_decode.compiled_kernel(shape.block_size, nh, nkv, d)
+    verify = paged_verify.compiled_kernel(shape.block_size, nh, nkv, d)
+    rms_norm, rope_write_kv = layer_ops.rms_norm_rows, layer_ops.rope_write_kv_rows
 
     @jit(inline="always", nogil=True)
     def end_phase(

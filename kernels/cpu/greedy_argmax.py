@@ -16,7 +16,7 @@ in three phases over rows of final-normed hidden states:
    a margin for fp32 rounding. Only outputs whose approximation lies within the bounds
    of the best one can be the argmax (on the benchmark's rows: 4 on average, 161 at
    most, of 49,152). Those are computed exactly, with the grid GEMM that computes the
-   full logits (`cpu_gemm.gemm_kernel`, one row, its group of 64 outputs), and the
+   full logits (`grid_gemm.gemm_kernel`, one row, its group of 64 outputs), and the
    first largest wins, as numpy's argmax picks.
 
 A row whose hidden state is not finite, or has more than CANDIDATES outputs to check,
@@ -37,8 +37,8 @@ from llvmlite import binding as llvm
 from llvmlite import ir
 from numba.core import cgutils, types
 
-from pagedinfer.kernels import cpu_gemm
-from pagedinfer.kernels.cpu_numba import (
+from pagedinfer.kernels.cpu import grid_gemm
+from pagedinfer.kernels.cpu.numba_support import (
     Job,
     barrier,
     int_stack_array,
@@ -51,8 +51,8 @@ from pagedinfer.kernels.cpu_numba import (
     stack_array,
 )
 
-LANES = cpu_gemm.LANES
-BLOCK = cpu_gemm.GRID_BLOCK
+LANES = grid_gemm.LANES
+BLOCK = grid_gemm.GRID_BLOCK
 # Whether this CPU multiplies bytes into 32-bit sums in one instruction (AVX-512 VNNI).
 # Without it the approximation runs on plain integer vector code: correct, but no faster
 # than the full LM head, so a model does not use it (`fast`).
@@ -91,15 +91,15 @@ class ArgmaxWeights:
     bounds: np.ndarray  # fp32 [vocab, blocks]: |d| * ||q|| of each output's block, rounded up
     bounds_max: np.ndarray  # fp32 [blocks]: the largest of each block's bounds
     norm_max: np.float32  # the largest ||w|| of an output, rounded up
-    grid: cpu_gemm.GridWeight  # the exact logits' weight
-    order: cpu_gemm.SumOrder  # ... and order
+    grid: grid_gemm.GridWeight  # the exact logits' weight
+    order: grid_gemm.SumOrder  # ... and order
     pool: ScratchPool = field(compare=False, repr=False)
 
     @classmethod
-    def of(cls, grid: cpu_gemm.GridWeight, order: cpu_gemm.SumOrder) -> ArgmaxWeights | None:
+    def of(cls, grid: grid_gemm.GridWeight, order: grid_gemm.SumOrder) -> ArgmaxWeights | None:
         """From the LM head's grid and the order its logits are summed in; None for a grid
         that is not 8-bit."""
-        if grid.kind != cpu_gemm.SCALED8:
+        if grid.kind != grid_gemm.SCALED8:
             return None
         tiles, k = grid.out_features // LANES, grid.in_features
         q = grid.codes  # int8 [tiles, K, 16]
@@ -160,7 +160,7 @@ class Scratch:
             maxima=np.empty((workers, rows, LANES), np.float32),
             found=np.empty((workers, candidates), np.int64),
             found_bounds=np.empty((workers, candidates), np.float32),
-            exact=np.empty((workers, 1, cpu_gemm.TILE_GROUP, LANES), np.float32),
+            exact=np.empty((workers, 1, grid_gemm.TILE_GROUP, LANES), np.float32),
         )
 
     def rows(self, rows: int) -> Scratch:
@@ -265,7 +265,7 @@ def no_args() -> tuple[Any, ...]:
 
 
 @functools.cache
-def argmax_kernel(in_features: int, order: cpu_gemm.SumOrder) -> Callable[..., None]:
+def argmax_kernel(in_features: int, order: grid_gemm.SumOrder) -> Callable[..., None]:
     """argmax(x, *weights_args, *Scratch.args, tokens, sync, worker, workers): the three
     phases over every row of x, the workers meeting at a barrier between them."""
     quantize, approximate, pick = phase_kernels(in_features, order)
@@ -325,14 +325,14 @@ def argmax_kernel(in_features: int, order: cpu_gemm.SumOrder) -> Callable[..., N
 
 @functools.cache
 def phase_kernels(
-    in_features: int, order: cpu_gemm.SumOrder
+    in_features: int, order: grid_gemm.SumOrder
 ) -> tuple[Callable[..., Any], Callable[..., None], Callable[..., None]]:
     """The three phases for rows of in_features inputs whose exact logits are summed in
     `order`, each taking (..., worker, workers) and doing its worker's share: quantize
     and pick a share of the rows, approximate a share of the tile groups."""
     k, blocks = in_features, in_features // BLOCK
-    exact_group = cpu_gemm.gemm_kernel(cpu_gemm.SCALED8, 1, k, order.ends, order.fused)
-    group_outputs = cpu_gemm.TILE_GROUP * LANES
+    exact_group = grid_gemm.gemm_kernel(grid_gemm.SCALED8, 1, k, order.ends, order.fused)
+    group_outputs = grid_gemm.TILE_GROUP * LANES
     by_rows = [_approx_rows(rows, k) for rows in range(1, ROWS + 1)]
     a1, a2, a3, a4, a5, a6 = by_rows
     single = _approx_rows(1, k, tiles=1)  # a tile left over, a row at a time
@@ -483,15 +483,15 @@ def phase_kernels(
                     continue
                 if j // group_outputs != group:
                     group = j // group_outputs
-                    t0 = group * cpu_gemm.TILE_GROUP
+                    t0 = group * grid_gemm.TILE_GROUP
                     exact_group(
                         x[r : r + 1],
                         0,
-                        grid_codes[t0 : t0 + cpu_gemm.TILE_GROUP],
-                        grid_scales[t0 : t0 + cpu_gemm.TILE_GROUP],
+                        grid_codes[t0 : t0 + grid_gemm.TILE_GROUP],
+                        grid_scales[t0 : t0 + grid_gemm.TILE_GROUP],
                         exact,
                         0,
-                        cpu_gemm.TILE_GROUP,
+                        grid_gemm.TILE_GROUP,
                         False,
                         0,
                         1,

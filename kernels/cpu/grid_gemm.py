@@ -1,49 +1,33 @@
-"""fp32 GEMMs of few rows on CPU from weights kept on the grid they were quantised to,
-with the bits MKL's packed sgemm gives (numba).
+"""fp32 GEMMs on CPU from weights kept on the grid they were quantised to (numba).
 
-A model that comes as a GGUF file (the embedded SmolLM2 is Q4_1, its embeddings Q8_0) is
-dequantised to fp32 once, and every fp32 weight is then a grid point: in each run of 32
-inputs of an output row, w = fp16(d) * q + fp16(m) with q in 0..15 (4-bit, affine) or
-w = fp16(d) * q with q in -127..127 (8-bit). `to_grid` finds that grid in the fp32
-weight and keeps it in 5 (4-bit) or 9 (8-bit) bits a weight instead of 32.
+A model that comes as a GGUF file (the embedded SmolLM2 is Q4_1, its embeddings Q8_0) has
+fp32 weights that are all grid points: in each run of 32 inputs of an output row,
+w = fp16(d) * q + fp16(m) with q in 0..15 (4-bit, affine) or w = fp16(d) * q with q in
+-127..127 (8-bit). `to_grid` finds that grid and keeps it in 5 (4-bit) or 9 (8-bit) bits
+a weight instead of 32.
 
 Why it pays: a decode step of a few tokens reads every weight once and does little with
-it, so its GEMMs take as long as reading 538 MB of fp32 weights. SmolLM2's grids hold
-the same values in 98 MB (LM head included); `gemm` rebuilds each weight in registers
-(one fused multiply-add with its block's scales, which gives the dequantisation's bits:
-d * q is exact in fp32) and multiplies in fp32. On an Intel Xeon its 30 layers' GEMMs
-took 8.1 ms at 1 row, 10.7 at 4 and 14.6 at 8, against 14-20, 19-25 and 22-28 ms for
-MKL's packed sgemm (2 threads, weights from memory). On an AMD EPYC, one call on 2
-workers, rebuilding with a multiply and an add and the scales converted at every input,
-they took 5.3 ms at 1 row, 7.3 at 4 and 11.7 at 8; with one fused multiply-add and the
-scales converted once a block, 3.7, 6.3 and 10.1.
+it, so its GEMMs cost what reading the weights costs. `gemm` rebuilds each weight in
+registers (one fused multiply-add with its block's scales, which gives the
+dequantisation's bits: d * q is exact in fp32) and multiplies in fp32, reading a fifth
+of the bytes. Calls of many rows rebuild a group of tiles once into scratch and run the
+rows over it.
 
-Same bits: MKL's packed sgemm sums each output over K in parts, each one chain from 0
-in K order, and then adds the parts in order (a `SumOrder`). Where the parts end, and
-whether each step is a fused multiply-add, depend on the CPU, the shape, the rows and the
-threads (measured for SmolLM2's shapes): an Intel Xeon sums in ceil(K / 384) equal parts
-of fused steps at every row count; an AMD EPYC in parts of 192 (the last one shorter)
-of fused steps from 12 rows (from 4 on one thread), and calls of fewer rows, and on two
-threads the rows past the last whole four of calls of 5-11, in one chain of rounded
-products and rounded adds. The grid's GEMMs serve calls of up to `rows_faster` rows (at
-most GRID_MAX_ROWS), the library's the larger ones: `library_order` finds the order the library takes for
-those on this machine (emulating the candidates on a few outputs, then checking the
-compiled product on every output), and `gemm` sums every row in it. So a row comes out
-the same in every batch, whichever GEMM computes it, even where the library alone would
-not. Where no candidate gives the library's bits, there is no order and a model keeps
-no grid.
+Every output is summed in one fixed `SumOrder` (`fixed_order`), so a row comes out the
+same in a batch of any size, whichever path computes it.
 
 Layouts: 16 output columns form a tile (a vector of fp32 lanes).
 - 4-bit: codes uint8 [tiles, K / 2, 16], byte (t, p, j) = q[16t + j, 2p] + 16 q[16t + j,
   2p + 1]; scales uint16 (fp16 bits) [tiles, K / 32, 2, 16]: d then m.
 - 8-bit: codes int8 [tiles, K, 16]; scales uint16 [tiles, K / 32, 2, 16] (m is 0).
+Kernel shapes (rows per pass, tiles at once) were chosen by measurement; the figures are
+in the benchmark results and the history.
 """
 
 from __future__ import annotations
 
 import functools
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,8 +36,8 @@ import torch
 from llvmlite import ir
 from numba.core import types
 
-from pagedinfer.kernels.cpu_layer import silu_times
-from pagedinfer.kernels.cpu_numba import (
+from pagedinfer.kernels.cpu.layer_ops import silu_times
+from pagedinfer.kernels.cpu.numba_support import (
     FASTMATH,
     Job,
     fma_ir,
@@ -70,29 +54,17 @@ from pagedinfer.kernels.cpu_numba import (
 
 LANES = 16  # output columns per tile: one 512-bit vector of fp32
 GRID_BLOCK = 32  # inputs sharing one scale (and offset), as in GGUF's Q4_1 and Q8_0
-# The most rows one pass over the weight serves (more rows take more passes), and the
-# tiles it works on at once: enough independent chains to hide the FMA latency, few
-# enough that the accumulators stay in the 32 vector registers (measured on SmolLM2's
-# 30 layers, 2 threads: 8.1 ms at 1 row, 10.7 at 4, 14.6 at 8 with 2 tiles, 32.5 with 4).
-# From 4 rows two tiles at a time: the four tiles' accumulators, weights and scales no
-# longer fit (an AMD EPYC, 30 layers' GEMMs in one call on 2 workers: 4 rows 6.3 ms on
-# two tiles against 8.1-8.8 on four; 3 rows 5.0 against 5.7).
+# The most rows one pass over the weight serves (more rows take more passes); from
+# WIDE_ROWS rows a pass works on half of TILE_GROUP tiles at once, so that accumulators,
+# weights and scales stay in the 32 vector registers.
 MAX_ROWS = 8
 # Past MAX_ROWS rows, the rows run SCRATCH_ROWS at a time over all TILE_GROUP tiles of the
-# rebuilt scratch in one pass (24 accumulators: each input broadcast feeds 4 tiles). On an
-# Intel Xeon (2 FMA ports), 30 layers' GEMMs on 2 workers, each call alternating with the
-# 8 rows x 2 tiles taken before: 7-11% less time at 64-512 rows, 0-5% at 12-32, the same
-# bits; 7 rows x 4 tiles (28 accumulators) and 8 x 4 were slower than 8 x 2.
+# rebuilt scratch in one pass (24 accumulators: each input broadcast feeds 4 tiles).
 SCRATCH_ROWS = 6
-TILE_GROUP = 4  # tiles per group; kernels of more than WIDE_ROWS rows take half of it
+TILE_GROUP = 4
 WIDE_ROWS = 3
-# The most rows a call may take from the grid (`rows_faster` picks how many do on the
-# machine at hand), and the row counts it times.
+# The most new tokens the fused step takes (`fused_step`); larger steps run layer by layer.
 GRID_MAX_ROWS = 512
-TIMED_ROWS = (16, 32, 64, 128, 256, 512)
-# Each count is timed over about the work of every GEMM given at this many rows: all of
-# them up to it, fewer past it (at 512 rows all of SmolLM2's layers took 2.3 s to time).
-TIMED_WORK_ROWS = 64
 AFFINE4, SCALED8 = "affine4", "scaled8"
 # Weights already rebuilt in fp32 (codes: fp32 [tiles, K, 16]): calls of more than MAX_ROWS
 # rows rebuild a tile group once into scratch and run every row over it.
@@ -363,7 +335,7 @@ def gemm_kernel(
 
     silu: the weight is [gate | up] (its first tiles / 2 tiles the gate's); each group
     takes as many tiles of the gate as of up, the same outputs of each, and out gets
-    silu(gate) * up (`cpu_layer.silu_times`, as `silu_mul` computes it from the product),
+    silu(gate) * up (`layer_ops.silu_times`, as `silu_mul` computes it from the product),
     gate tile j into out tile `first` + j (add unused). The product itself is never
     written: each worker takes the SiLU of its own tiles while they are in registers."""
     k, parts = in_features, len(ends)
@@ -588,90 +560,8 @@ def grid_linear(
     return out
 
 
-def library_order(
-    weight: GridWeight, library: Callable[[torch.Tensor], torch.Tensor]
-) -> SumOrder | None:
-    """The order in which `library` (x -> x @ W.T, the weight this grid holds) sums calls
-    of more than GRID_MAX_ROWS rows on this machine and thread count: the `SumOrder` whose
-    emulation gives the library's bits on the first outputs of a few rows of such a call,
-    checked then on every row and output (random inputs). None where no candidate gives
-    them."""
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(GRID_MAX_ROWS + MAX_ROWS + 1, weight.in_features, generator=generator)
-    expected = library(x)
-    w = weight.dense(1).numpy()  # the first tile's outputs
-    probe = x[-4:].numpy()  # enough rows to tell the candidates apart
-    wanted = expected[-4:, : w.shape[0]].numpy()
-    candidates = candidate_ends(weight.in_features)
-    for fused in (True, False):
-        sums = _emulate(w, probe, candidates, fused)  # [candidates, rows, outputs]
-        for ends, found in zip(candidates, sums, strict=True):
-            if (found == wanted).all():
-                order = SumOrder(ends, fused)
-                return order if torch.equal(grid_linear(x, weight, order), expected) else None
-    return None
-
-
-def rows_faster(gemms: Sequence[tuple[GridWeight, SumOrder, Callable[..., Any]]]) -> int:
-    """The most rows, up to GRID_MAX_ROWS, at which these GEMMs (grid, order, the
-    library's x -> x @ W.T; a forward pass's, run one after another, so that the weights
-    come from memory as in a pass) take less time from the grid than from the library on
-    this machine and thread count: timed at TIMED_ROWS (each side twice, taking turns;
-    the faster of each), up to the first count where the library is faster. At least
-    MAX_ROWS: the grid's one pass over the weights reads 5 or 9 bits a weight where the
-    library reads 32 (at 8 rows 1.5x faster on an Intel Xeon, 2x on an AMD EPYC). Both
-    give the same bits, so this decides speed only. Past TIMED_WORK_ROWS rows only the
-    first GEMMs are timed, as many as make up the work of all of them at that count."""
-    generator = torch.Generator().manual_seed(0)
-    best = MAX_ROWS
-    for rows in TIMED_ROWS:
-        timed = gemms[: max(1, len(gemms) * min(rows, TIMED_WORK_ROWS) // rows)]
-        inputs = [torch.randn(rows, g.in_features, generator=generator) for g, _, _ in timed]
-        grid = [
-            (functools.partial(grid_linear, weight=g, order=o), x)
-            for (g, o, _), x in zip(timed, inputs, strict=True)
-        ]
-        library = [(f, x) for (_, _, f), x in zip(timed, inputs, strict=True)]
-        grid_time = library_time = float("inf")
-        for _ in range(2):
-            grid_time = min(grid_time, _time(grid))
-            library_time = min(library_time, _time(library))
-        if grid_time > library_time:
-            break
-        best = rows
-    return best
-
-
-def _time(calls: list[tuple[Callable[[torch.Tensor], Any], torch.Tensor]]) -> float:
-    """Seconds the calls f(x) take, one after another."""
-    start = time.perf_counter()
-    for f, x in calls:
-        f(x)
-    return time.perf_counter() - start
-
-
-def _emulate(
-    w: np.ndarray, x: np.ndarray, candidates: list[tuple[int, ...]], fused: bool
-) -> np.ndarray:
-    """x @ w.T summed in the `SumOrder` (ends, fused) for every ends of candidates, in
-    numpy: fp32 [candidates, rows, outputs]. Each step is computed in extended precision
-    and rounded to fp32 (the product of two fp32 values is exact there, so a fused step
-    rounds once)."""
-    wide = np.longdouble
-    k = x.shape[1]
-    starts = np.zeros((len(candidates), k), dtype=bool)  # where each later part starts
-    for c, ends in enumerate(candidates):
-        starts[c, list(ends[:-1])] = True
-    xs, ws = x.astype(wide), w.astype(wide)
-    acc = np.zeros((len(candidates), x.shape[0], w.shape[0]), dtype=wide)
-    total = np.zeros_like(acc)
-    for i in range(k):
-        ends_here = starts[:, i]
-        if ends_here.any():
-            total[ends_here] = (total[ends_here] + acc[ends_here]).astype(np.float32)
-            acc[ends_here] = 0
-        product = xs[:, i, None] * ws[None, :, i]
-        if not fused:
-            product = product.astype(np.float32).astype(wide)
-        acc = (acc + product).astype(np.float32).astype(wide)
-    return (total + acc).astype(np.float32)
+def fixed_order(in_features: int) -> SumOrder:
+    """The order every grid GEMM sums in: one chain of fused multiply-adds over K. Fixed,
+    so that a row comes out the same in a step of any size and through either path (the
+    fused step or layer by layer), and nothing about the machine needs to be measured."""
+    return SumOrder((in_features,), True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedinfer.kernels.cpu_numba import FASTMATH, exp_into, fp32_cpu, jit, lanes_silu_times
+from pagedinfer.kernels.cpu.numba_support import FASTMATH, exp_into, fp32_cpu, jit, lanes_silu_times
 
 LANES = 16  # `silu_times` works on vectors of 16 fp32 values: a GEMM tile's outputs
 
@@ -38,7 +38,7 @@ def supports(*tensors: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * weight, per row of x [tokens, hidden]."""
     out = torch.empty(x.shape, dtype=x.dtype)
-    _rms_norm(_rows(x), weight.detach().numpy(), np.float32(eps), out.numpy())
+    rms_norm_rows(_rows(x), weight.detach().numpy(), np.float32(eps), out.numpy())
     return out
 
 
@@ -71,7 +71,7 @@ def rope_write_kv(
         raise ValueError("rope_write_kv: k_cache and v_cache must be contiguous")
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     shape = (num_blocks * block_size, num_kv_heads * head_dim)
-    bad = _rope_write_kv(
+    bad = rope_write_kv_rows(
         qkv.numpy(),
         cos_sin.numpy(),
         slot_mapping.numpy(),
@@ -94,7 +94,7 @@ def _rows(x: torch.Tensor) -> np.ndarray:
 
 
 @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
-def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.ndarray) -> None:
+def rms_norm_rows(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.ndarray) -> None:
     hidden = x.shape[1]
     for t in range(x.shape[0]):
         total = np.float32(0.0)
@@ -116,12 +116,12 @@ def silu_times(
 ) -> None:
     """out = silu(gate) * up over n values (n: len(gate), a multiple of LANES): the
     SiLU-and-multiply of `silu_mul` and of the gate/up GEMM on its own outputs
-    (`cpu_gemm`), so that both give the same bits. negative, decay (fp32) and bits
+    (`grid_gemm`), so that both give the same bits. negative, decay (fp32) and bits
     (int32): scratch of n or more.
 
     silu(g) = g * sigmoid(g), with sigmoid from e = exp(-|g|), which cannot overflow:
     g / (1 + e) for g >= 0, g * e / (1 + e) below. After the exp each operation is
-    rounded once (`cpu_numba.lanes_silu_times`): left to fast math, LLVM rounded them one
+    rounded once (`numba_support.lanes_silu_times`): left to fast math, LLVM rounded them one
     way in a loop over a row and another over 16 values (1 in 6 results 1 ulp apart)."""
     n = gate.shape[0]
     for i in range(n):
@@ -155,7 +155,7 @@ def _silu_mul(gate_up: np.ndarray, out: np.ndarray) -> None:
 
 
 @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
-def _rope_write_kv(
+def rope_write_kv_rows(
     qkv: np.ndarray,
     cos_sin: np.ndarray,
     slots: np.ndarray,

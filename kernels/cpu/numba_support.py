@@ -11,7 +11,7 @@ cannot prove that the accumulator's memory aliases no other array. `stack_array`
 memory that LLVM knows is private (and 64-byte aligned), and the `lanes_*` ops each
 compile to one LLVM vector operation on the first `width` floats of their arrays: an
 accumulator tile written only through them becomes vector registers (512-bit where the
-CPU has AVX-512), as in `cpu_verify`. The lane ops are also exact (see below), which lets
+CPU has AVX-512), as in `paged_verify`. The lane ops are also exact (see below), which lets
 two kernels compute the same attention to the bit.
 
 numba's disk cache checks only the file that defines a kernel: a kernel that uses a
@@ -337,7 +337,7 @@ def _lane_op(args: tuple[Any, ...], combine: Callable[..., Any]) -> Any:
 
 # The lane ops are exact IEEE operations, each rounded once: LLVM may not reassociate,
 # fuse or approximate them, so two kernels that compute a value with the same sequence of
-# lane ops get the same bits (`cpu_verify` and `cpu_decode` rely on it). numba gives the
+# lane ops get the same bits (`paged_verify` and `paged_decode` rely on it). numba gives the
 # kernel's fast-math flags to every float instruction that has none, so these carry
 # "afn" (approximate library functions), which changes nothing for +, * and /.
 EXACT = ("afn",)

@@ -11,12 +11,12 @@ One kernel is compiled per (block size, heads, KV heads, head dim): with those f
 LLVM unrolls and vectorises the head-dim loops. Compiling takes a few seconds on first
 use; the result is cached on disk where the package directory (or NUMBA_CACHE_DIR) is
 writable. The kernel releases the GIL: the decodes, which the caller sorts by length,
-are dealt in a snake (`cpu_numba.snake_task`) to as many threads as torch uses, so each
+are dealt in a snake (`numba_support.snake_task`) to as many threads as torch uses, so each
 gets a similar share.
 
 Blocks lie anywhere in memory, so the hardware prefetcher loses the stream at every block
 boundary: while the kernel computes on one block it asks for the next block's rows
-(`cpu_numba.prefetch`). On SmolLM2's shapes (32 decodes of 40-300 tokens, 30 layers, K/V
+(`numba_support.prefetch`). On SmolLM2's shapes (32 decodes of 40-300 tokens, 30 layers, K/V
 from memory) that took one thread from 199 to 152 ns per context position and layer,
 two threads from 118 to 94; with K/V already in cache it costs nothing (111 and 119 ns).
 
@@ -28,10 +28,10 @@ spin for a while after each GEMM and compete with this kernel's threads. The pre
 took a further 7% off a 32-decode step (96.2 to 89.1 ms) and 11% off a 100-decode one
 (206.6 to 184.3 ms), steps alternating between the two kernels.
 
-Its arithmetic is spelled out with `cpu_numba`'s exact lane ops, not left to LLVM's
+Its arithmetic is spelled out with `numba_support`'s exact lane ops, not left to LLVM's
 fast-math choices: a score sums its products in DOT_PARTS interleaved parts, each in
 order, then the parts by halving; a block's probabilities are summed by halving over
-`sum_slots` slots; each step is rounded once. `cpu_verify`, which serves the tokens of a
+`sum_slots` slots; each step is rounded once. `paged_verify`, which serves the tokens of a
 decode verifying a draft, does the same operations in the same order, so a token gets
 the same bits either way and speculative decoding stays exactly what decoding one token
 at a time gives. Written so, with its scratch on the stack, the kernel runs as fast as
@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedinfer.kernels.cpu_numba import (
+from pagedinfer.kernels.cpu.numba_support import (
     FASTMATH,
     Job,
     attention_job,
@@ -135,13 +135,13 @@ def decode_job(
     scale: float,
     out: torch.Tensor,
 ) -> Job:
-    """`decode_attention`'s kernel call, for `cpu_numba.run_jobs` alongside others."""
+    """`decode_attention`'s kernel call, for `numba_support.run_jobs` alongside others."""
     tasks = (rows, block_tables, seq_lens)
-    return attention_job(_kernel, query, k_cache, v_cache, tasks, scale, out)
+    return attention_job(compiled_kernel, query, k_cache, v_cache, tasks, scale, out)
 
 
 @functools.cache
-def _kernel(
+def compiled_kernel(
     block_size: int, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> Callable[..., Any]:
     """The kernel for one model shape (compiled, or loaded from the cache, on first call)."""
@@ -226,7 +226,7 @@ def _kernel(
                     for t in range(n):
                         highest = max(highest, probs[h, t])
                     top[h] = highest
-                    diff[h] = m[h] - highest  # one rounding, as cpu_verify's FMA by -1
+                    diff[h] = m[h] - highest  # one rounding, as paged_verify's FMA by -1
                 exp_into(diff[:nh], rescale[:nh], bits)  # 0 on the first block (m = -inf)
                 for h in range(nh):
                     for t in range(n):

@@ -2,7 +2,7 @@
 new tokens of one sequence per task, each K/V block read once for all of them.
 
 A decode verifying a draft of k tokens brings k + 1 new tokens of one sequence, token i
-seeing the context up to and including itself. `cpu_decode` would serve them as k + 1
+seeing the context up to and including itself. `paged_decode` would serve them as k + 1
 rows that each walk the same blocks and compute every score as a dot product ending in a
 horizontal sum. This kernel serves up to `rows_per_run` of them from each block it loads:
 
@@ -14,10 +14,10 @@ horizontal sum. This kernel serves up to `rows_per_run` of them from each block 
 - Softmax online across blocks, elementwise over the lanes: a running max, rescale and
   denominator per lane, one vectorised exp per block for probabilities and rescales.
 - Value sums, 8 head dims at a time: acc[j, lanes] += V[t, j] (broadcast) * p[t, lanes].
-The accumulators are stack tiles written only through `cpu_numba`'s lane ops, so they
+The accumulators are stack tiles written only through `numba_support`'s lane ops, so they
 live in vector registers (zmm on AVX-512).
 
-Each lane does `cpu_decode`'s operations in `cpu_decode`'s order (the same score parts,
+Each lane does `paged_decode`'s operations in `paged_decode`'s order (the same score parts,
 the same halving sums, each step rounded once), so every token gets the bits a decode of
 its own would: speculative decoding gives exactly what decoding one token at a time does.
 
@@ -30,9 +30,9 @@ all of a lane's positions leaves it as it was, bit for bit.
 
 Every lane is computed whether a token fills it or not: a task costs about the same per
 position with 1 token as with 5. `torch_ops.plan_attention` sends only runs of at least
-half `rows_per_run` tokens here, the rest to `cpu_decode`. Measured on SmolLM2's shapes,
+half `rows_per_run` tokens here, the rest to `paged_decode`. Measured on SmolLM2's shapes,
 32 sequences with 100-400 tokens of context, 30 layers, 2 threads, against a
-`cpu_decode` row per token, alternating in one process (ns per token, context position
+`paged_decode` row per token, alternating in one process (ns per token, context position
 and layer): with 5 new tokens each 51 against 90, 4: 74 against 101, 3: 83 against 103,
 6 (a run and a row): 66 against 93, 1 to 6 mixed: 74 against 99. Serving the 32-request
 benchmark workload with 4-token drafts a second time in one engine (its prompts from the
@@ -51,8 +51,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedinfer.kernels.cpu_decode import DOT_PARTS, sum_slots
-from pagedinfer.kernels.cpu_numba import (
+from pagedinfer.kernels.cpu.paged_decode import DOT_PARTS, sum_slots
+from pagedinfer.kernels.cpu.numba_support import (
     FASTMATH,
     Job,
     attention_job,
@@ -100,7 +100,7 @@ def verify_attention(
     """Attention of runs of consecutive new tokens of one sequence, into `out`.
 
     query, out: [num_tokens, num_heads, head_dim] fp32 (strided views allowed); k_cache,
-    v_cache contiguous fp32 (`cpu_decode.supports` says which tensors qualify). Run i is
+    v_cache contiguous fp32 (`paged_decode.supports` says which tensors qualify). Run i is
     query rows rows[i] .. rows[i] + counts[i] - 1, token r of it seeing positions below
     seq_lens[i] + r through block_tables[i]; it writes those rows of out and no others.
     rows: int64 [n]; counts: int32 [n], 1 to `rows_per_run`; block_tables: int32
@@ -123,13 +123,13 @@ def verify_job(
     scale: float,
     out: torch.Tensor,
 ) -> Job:
-    """`verify_attention`'s kernel call, for `cpu_numba.run_jobs` alongside others."""
+    """`verify_attention`'s kernel call, for `numba_support.run_jobs` alongside others."""
     tasks = (rows, counts, block_tables, seq_lens)
-    return attention_job(_kernel, query, k_cache, v_cache, tasks, scale, out)
+    return attention_job(compiled_kernel, query, k_cache, v_cache, tasks, scale, out)
 
 
 @functools.cache
-def _kernel(
+def compiled_kernel(
     block_size: int, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> Callable[..., Any]:
     """The kernel for one model shape (compiled, or loaded from the cache, on first call)."""
@@ -144,7 +144,7 @@ def _kernel(
     @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
     def block_scores(kb: np.ndarray, kh: int, n: int, qt: np.ndarray, scores: np.ndarray) -> None:
         """scores[t] = sum over j of kb[t, kh, j] * qt[j] for t < n (qt: [d, LANES]), as
-        `cpu_decode` sums. Rows n to the tile's end repeat row n - 1: no slot past n is read."""
+        `paged_decode` sums. Rows n to the tile's end repeat row n - 1: no slot past n is read."""
         tile = stack_array((SCORE_POSITIONS, DOT_PARTS, LANES))
         for t0 in range(0, n, SCORE_POSITIONS):
             for i in range(SCORE_POSITIONS):

@@ -49,7 +49,7 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 
     if request.param == "torch":
         monkeypatch.delenv("PAGEDINFER_CPU_KERNELS", raising=False)
-        assert torch_ops._cpu_decode() is not None, "numba is missing: no compiled decodes"
+        assert torch_ops._paged_decode() is not None, "numba is missing: no compiled decodes"
     else:
         monkeypatch.setenv("PAGEDINFER_CPU_KERNELS", "torch")
     return torch_ops

@@ -11,7 +11,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from pagedinfer.kernels import cpu_decode, torch_ops
+from pagedinfer.kernels import torch_ops
+from pagedinfer.kernels.cpu import paged_decode
 
 # Lengths around block edges (16-token blocks): one token, a block minus one, exactly one
 # and two blocks, one past, and a long context of many blocks.
@@ -103,9 +104,9 @@ def test_only_fp32_cpu_tensors_take_the_kernel(
     assert torch_ops.compiled_decode(fp32.query, fp32.k_cache, fp32.v_cache)
     assert not torch_ops.compiled_decode(bf16.query, bf16.k_cache, bf16.v_cache)
     strided = fp32.k_cache.transpose(1, 2)
-    assert not cpu_decode.supports(fp32.query, strided, strided)
+    assert not paged_decode.supports(fp32.query, strided, strided)
     tracked = fp32.query.clone().requires_grad_()
-    assert not cpu_decode.supports(tracked, fp32.k_cache, fp32.v_cache)
+    assert not paged_decode.supports(tracked, fp32.k_cache, fp32.v_cache)
     monkeypatch.setenv("PAGEDINFER_CPU_KERNELS", "torch")
     assert not torch_ops.compiled_decode(fp32.query, fp32.k_cache, fp32.v_cache)
 
@@ -115,8 +116,8 @@ def test_without_a_plan_fp32_decodes_take_the_kernel_and_others_the_gather(
 ) -> None:
     monkeypatch.delenv("PAGEDINFER_CPU_KERNELS", raising=False)
     calls = []
-    real = cpu_decode.decode_job
-    monkeypatch.setattr(cpu_decode, "decode_job", lambda *args: calls.append(1) or real(*args))
+    real = paged_decode.decode_job
+    monkeypatch.setattr(paged_decode, "decode_job", lambda *args: calls.append(1) or real(*args))
     fp32 = decode_batch(make_batch, [20, 40])
     fp32.assert_matches_reference(torch_ops.paged_attention(*fp32.args()))
     assert calls == [1]
@@ -152,7 +153,7 @@ def test_reads_and_writes_only_its_rows_of_strided_query_and_out(make_batch: Cal
     decodes = plan.decodes
     every_other = slice(0, None, 2)
     out = torch.full_like(batch.query, -7.0)
-    cpu_decode.decode_attention(
+    paged_decode.decode_attention(
         query,
         batch.k_cache,
         batch.v_cache,

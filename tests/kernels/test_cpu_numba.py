@@ -9,22 +9,22 @@ import sys
 import numpy as np
 import pytest
 
-from pagedinfer.kernels import cpu_numba
+from pagedinfer.kernels.cpu import numba_support
 
 
 def test_without_a_writable_cache_directory_it_compiles_in_memory(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    real_njit = cpu_numba.numba.njit
+    real_njit = numba_support.numba.njit
 
     def njit(*args: object, cache: bool = False, **options: object) -> object:
         if cache:  # what numba raises when no cache locator is writable
             raise RuntimeError("cannot cache function: no locator available")
         return real_njit(*args, **options)
 
-    monkeypatch.setattr(cpu_numba.numba, "njit", njit)
+    monkeypatch.setattr(numba_support.numba, "njit", njit)
 
-    @cpu_numba.jit()
+    @numba_support.jit()
     def add_one(x: np.ndarray) -> None:
         for i in range(x.shape[0]):
             x[i] += 1.0
@@ -34,10 +34,10 @@ def test_without_a_writable_cache_directory_it_compiles_in_memory(
     assert values.tolist() == [1.0, 1.0, 1.0]
 
 
-@cpu_numba.jit()
+@numba_support.jit()
 def _exp(x: np.ndarray) -> np.ndarray:
     out = np.empty_like(x)
-    cpu_numba.exp_into(x, out, np.empty(x.shape[0], dtype=np.int32))
+    numba_support.exp_into(x, out, np.empty(x.shape[0], dtype=np.int32))
     return out
 
 
@@ -58,10 +58,10 @@ def test_exp_below_its_range_gives_the_smallest_value_not_zero_or_nan() -> None:
     assert np.all((out > 0) & (out < 1e-37))
 
 
-@cpu_numba.jit()
+@numba_support.jit()
 def _prefetch_then_sum(x: np.ndarray, indices: np.ndarray) -> float:
     for i in indices:
-        cpu_numba.prefetch(x, i)
+        numba_support.prefetch(x, i)
     return x.sum()
 
 
@@ -72,7 +72,7 @@ def test_a_snake_deal_gives_every_task_to_one_worker(workers: int) -> None:
         dealt = [
             [
                 t
-                for t in (cpu_numba.snake_task(turn, w, workers) for turn in range(turns))
+                for t in (numba_support.snake_task(turn, w, workers) for turn in range(turns))
                 if t < tasks
             ]
             for w in range(workers)
@@ -82,7 +82,7 @@ def test_a_snake_deal_gives_every_task_to_one_worker(workers: int) -> None:
 
 def test_a_snake_deal_evens_out_tasks_sorted_by_cost() -> None:
     costs = list(range(32, 0, -1))  # largest first, as the attention plans sort them
-    shares = [sum(costs[cpu_numba.snake_task(turn, w, 2)] for turn in range(16)) for w in range(2)]
+    shares = [sum(costs[numba_support.snake_task(turn, w, 2)] for turn in range(16)) for w in range(2)]
     assert shares == [264, 264]  # round-robin: 272 against 256
 
 
@@ -94,19 +94,19 @@ def test_prefetch_is_only_a_hint_even_far_outside_the_array() -> None:
 
 
 def test_prefetch_takes_only_c_contiguous_arrays() -> None:
-    with pytest.raises(cpu_numba.numba.errors.TypingError):
+    with pytest.raises(numba_support.numba.errors.TypingError):
         _prefetch_then_sum(np.zeros((4, 4), dtype=np.float32)[:, ::2], np.zeros(1, np.int64))
 
 
-@cpu_numba.jit(fastmath=cpu_numba.FASTMATH)
+@numba_support.jit(fastmath=numba_support.FASTMATH)
 def _fma_then_sum(y: np.ndarray, x: np.ndarray, a: float) -> float:
     # Inside a fast-math kernel, as the kernels call them.
-    tile = cpu_numba.stack_array((2, 4))
-    cpu_numba.lanes_copy(tile[0], y, 4)
-    cpu_numba.lanes_fma(tile[0], x, a, 4)
-    cpu_numba.lanes_copy(tile[1], tile[0], 4)
-    cpu_numba.lanes_copy(y, tile[1], 4)
-    return cpu_numba.lanes_sum(y, 4)
+    tile = numba_support.stack_array((2, 4))
+    numba_support.lanes_copy(tile[0], y, 4)
+    numba_support.lanes_fma(tile[0], x, a, 4)
+    numba_support.lanes_copy(tile[1], tile[0], 4)
+    numba_support.lanes_copy(y, tile[1], 4)
+    return numba_support.lanes_sum(y, 4)
 
 
 def test_lane_ops_round_each_step_once_even_in_a_fast_math_kernel() -> None:
@@ -124,9 +124,9 @@ def test_lanes_sum_adds_by_halving() -> None:
     assert _fma_then_sum(y, np.zeros(4, dtype=np.float32), 0.0) == 2.0
 
 
-@cpu_numba.jit(fastmath=cpu_numba.FASTMATH)
+@numba_support.jit(fastmath=numba_support.FASTMATH)
 def _fma_where(y: np.ndarray, x: np.ndarray, a: float) -> None:
-    cpu_numba.lanes_fma_where(y, x, a, 4)
+    numba_support.lanes_fma_where(y, x, a, 4)
 
 
 def test_fma_where_skips_zero_weights_even_against_nan() -> None:
@@ -137,7 +137,7 @@ def test_fma_where_skips_zero_weights_even_against_nan() -> None:
 
 
 def test_lane_ops_take_only_c_contiguous_float32_rows() -> None:
-    with pytest.raises(cpu_numba.numba.errors.TypingError):
+    with pytest.raises(numba_support.numba.errors.TypingError):
         _fma_where(np.zeros(8, dtype=np.float32)[::2], np.zeros(4, dtype=np.float32), 1.0)
 
 
@@ -148,9 +148,9 @@ def test_kernels_made_by_factories_keep_one_disk_cache_key_across_processes() ->
     code = (
         "import hashlib\n"
         "from numba.core.serialize import dumps\n"
-        "from pagedinfer.kernels import cpu_gemm, cpu_verify\n"
-        "gemm = cpu_gemm.gemm_all_rows('affine4', 576, (288, 576), True)\n"
-        "for kernel in (cpu_verify._kernel(16, 9, 3, 64), gemm):\n"
+        "from pagedinfer.kernels import grid_gemm, paged_verify\n"
+        "gemm = grid_gemm.gemm_all_rows('affine4', 576, (288, 576), True)\n"
+        "for kernel in (paged_verify.compiled_kernel(16, 9, 3, 64), gemm):\n"
         "    cells = tuple(cell.cell_contents for cell in kernel.py_func.__closure__)\n"
         "    print(hashlib.sha256(dumps(cells)).hexdigest())\n"
     )
@@ -168,10 +168,10 @@ def test_kernels_made_by_one_factory_keep_cache_files_of_their_own() -> None:
     """numba numbers the variants of one function in one index as it saves them; two
     processes compiling different variants at once could give two of them one file, and a
     later process ran one variant's code for the other. Each variant has its own files."""
-    from pagedinfer.kernels import cpu_gemm
+    from pagedinfer.kernels.cpu import grid_gemm
 
     kernels = [
-        cpu_gemm.gemm_kernel("affine4", rows, 256, ends, True)
+        grid_gemm.gemm_kernel("affine4", rows, 256, ends, True)
         for rows in (1, 2)
         for ends in ((256,), (128, 256))
     ]

@@ -17,7 +17,7 @@ from pagedinfer.kernels import torch_ops
 
 pytest.importorskip("numba", reason="the compiled verify kernel needs numba")
 
-from pagedinfer.kernels import cpu_verify
+from pagedinfer.kernels.cpu import paged_verify
 
 MAX_QUERY = torch_ops.COMPILED_MAX_QUERY
 SHAPES = pytest.mark.parametrize(
@@ -63,7 +63,7 @@ def split_into_runs(batch, run_length: int) -> tuple[np.ndarray, ...]:
 def run_kernel(batch, run_length: int, out: torch.Tensor | None = None) -> torch.Tensor:
     out = torch.full_like(batch.query, float("nan")) if out is None else out
     rows, counts, tables, lens = split_into_runs(batch, run_length)
-    cpu_verify.verify_attention(
+    paged_verify.verify_attention(
         batch.query, batch.k_cache, batch.v_cache, rows, counts, tables, lens, batch.scale, out
     )
     return out
@@ -94,7 +94,7 @@ def shape_kwargs(num_heads: int, num_kv_heads: int, head_dim: int, block_size: i
 def test_runs_of_every_length_match_the_reference_at_every_shape(
     make_batch: Callable, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
 ) -> None:
-    longest = cpu_verify.rows_per_run(num_heads, num_kv_heads, head_dim)
+    longest = paged_verify.rows_per_run(num_heads, num_kv_heads, head_dim)
     assert longest >= 2
     for run_length in range(1, longest + 1):
         seq_lens = context_lens(run_length)
@@ -112,7 +112,7 @@ def test_every_token_of_a_run_gets_the_same_bits_as_a_decode_of_its_own(
     make_batch: Callable, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
 ) -> None:
     # Speculative decoding must give exactly what decoding one token at a time gives.
-    longest = cpu_verify.rows_per_run(num_heads, num_kv_heads, head_dim)
+    longest = paged_verify.rows_per_run(num_heads, num_kv_heads, head_dim)
     shape = shape_kwargs(num_heads, num_kv_heads, head_dim, block_size)
     for run_length in (2, longest):
         seq_lens = context_lens(run_length)
@@ -231,7 +231,7 @@ def test_reads_and_writes_only_its_rows_of_strided_query_and_out(make_batch: Cal
     rows, counts, tables, lens = split_into_runs(batch, 5)
     every_other = slice(0, None, 2)  # the first and third sequences' runs
     out = torch.full_like(batch.query, -7.0)
-    cpu_verify.verify_attention(
+    paged_verify.verify_attention(
         batch.query,
         batch.k_cache,
         batch.v_cache,
@@ -271,7 +271,7 @@ def test_rows_per_run_fill_the_lanes(
     num_heads: int, num_kv_heads: int, head_dim: int, rows: int
 ) -> None:
     # 16 lanes of query heads per KV head; a run must share its blocks among two tokens.
-    assert cpu_verify.rows_per_run(num_heads, num_kv_heads, head_dim) == rows
+    assert paged_verify.rows_per_run(num_heads, num_kv_heads, head_dim) == rows
 
 
 def test_a_plan_splits_each_draft_into_runs_and_rows_exactly_once() -> None:

@@ -1,11 +1,14 @@
 """A test's own model runner: a paged KV cache for a few sequences and one forward over
-chunks of their tokens."""
+chunks of their tokens, through a model's own forward or a CPU executor."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from pagedinfer.service.models.llama import AttentionMetadata, LlamaModel, Logits, ModelConfig
+from pagedinfer.kernels import AttentionMetadata
+from pagedinfer.service.models.llama import LlamaModel, ModelConfig
 
 BLOCK_SIZE = 16
 
@@ -35,9 +38,7 @@ class PagedCache:
         order = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1
         self.block_tables = order.view(num_seqs, blocks_per_seq).to(torch.int32)
 
-    def step(
-        self, model: LlamaModel, chunks: list[tuple[int, list[int], int]]
-    ) -> list[torch.Tensor]:
+    def step(self, model: Any, chunks: list[tuple[int, list[int], int]]) -> list[torch.Tensor]:
         """Run one forward over chunks (seq index, new token ids, start position).
 
         Returns each chunk's logits for all its new tokens.
@@ -47,13 +48,14 @@ class PagedCache:
 
     def forward(
         self,
-        model: LlamaModel,
+        model: Any,
         chunks: list[tuple[int, list[int], int]],
         greedy: torch.Tensor | None = None,
         rows: list[int] | None = None,
-    ) -> Logits:
-        """`step`'s forward, the model's output for every new token, or for the new tokens
-        at `rows` (greedy: bool, per such token, as the model takes it)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`step`'s forward: (logits, tokens) for every new token, or for the new tokens at
+        `rows`. model: a `LlamaModel` (tokens None) or a `CpuExecutor` (greedy: bool, per
+        such token, as the executor takes it)."""
         ids, positions, slots, seq_ids, seq_lens, starts = [], [], [], [], [], [0]
         for seq, tokens, start in chunks:
             pos = torch.arange(start, start + len(tokens))
@@ -70,14 +72,16 @@ class PagedCache:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
             query_start_loc=torch.tensor(starts, dtype=torch.int32),
         )
-        return model(
+        args = (
             torch.cat(ids),
             torch.cat(positions),
             self.kv_caches,
             attn,
             torch.arange(starts[-1]) if rows is None else torch.tensor(rows, dtype=torch.long),
-            greedy,
         )
+        if isinstance(model, LlamaModel):
+            return model(*args), None
+        return model.forward(*args, greedy)
 
     def copy(self) -> PagedCache:
         """The same blocks and tables, with the K/V values copied."""

@@ -1,0 +1,541 @@
+"""The CPU executor: a Llama-family forward pass over the CPU backend's kernels.
+
+It runs the same equations as the model's own torch forward (`pagedinfer.service.models`)
+with faster parts, picked from the configuration and the CPU alone:
+- GEMMs: the weight's quantisation grid where every weight lies on one (a model that
+  came as a GGUF file; `grid_gemm`), else the matmul library's packed layout (MKL for
+  fp32, oneDNN for bf16 on CPUs with native bf16);
+- with fp32 weights, the ops between the GEMMs in compiled kernels (`layer_ops`) and
+  attention on the compiled paged kernels (`paged_decode`, `paged_verify`);
+- on grids, steps of up to `grid_gemm.GRID_MAX_ROWS` tokens as one compiled call
+  (`fused_step`), and greedy rows' tokens picked without their logits
+  (`greedy_argmax`, where the CPU has AVX-512 VNNI).
+
+It serves only configurations whose every feature it implements (`SUPPORTED_FEATURES`);
+anything else runs on the model's torch forward. Once active it owns the weights: the
+model's dense copies of the GEMM weights are released.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedinfer import kernels
+from pagedinfer.kernels import torch_ops
+from pagedinfer.kernels.cpu.gemms import (
+    Gemm,
+    GridGemm,
+    MklGemm,
+    OneDnnGemm,
+    mkl_fp32_available,
+    onednn_bf16_available,
+)
+from pagedinfer.kernels.metadata import AttentionMetadata
+from pagedinfer.kernels.validation import check_paged_attention, check_write_kv
+
+log = logging.getLogger(__name__)
+
+# The architecture features (a model config's `features()`) this executor implements.
+# Rotary scalings only change the cos/sin table, which it reads from the model.
+SUPPORTED_FEATURES = frozenset(
+    {
+        "rms_norm",
+        "silu_glu",
+        "rope_neox",
+        "rope_scaling_linear",
+        "rope_scaling_dynamic",
+        "rope_scaling_llama3",
+        "rope_scaling_yarn",
+        "grouped_query_attention",
+        "qkv_bias",
+        "o_proj_bias",
+        "mlp_bias",
+        "tied_embeddings",
+        "untied_lm_head",
+    }
+)
+
+
+def unsupported_features(config: Any) -> list[str]:
+    """The features of `config` (a model config with `features()`) this executor lacks."""
+    return sorted(set(config.features()) - SUPPORTED_FEATURES)
+
+
+@dataclass
+class _Layer:
+    """One decoder layer as the executor runs it."""
+
+    norms: tuple[torch.Tensor, torch.Tensor]  # input and post-attention RMSNorm weights
+    qkv: Gemm
+    o: Gemm
+    gate_up: Gemm
+    down: Gemm
+
+
+class CpuExecutor:
+    """Runs a model's forward pass on the CPU backend (see the module doc)."""
+
+    def __init__(self, model: nn.Module, mode: str, compiled: bool) -> None:
+        self.model = model
+        self.config = model.config
+        self.mode = mode  # "grid", "mkl" or "onednn"
+        self.compiled = compiled  # the ops between the GEMMs and attention in numba kernels
+        self.layers: list[_Layer] = []
+        self.lm_head: Gemm | None = None
+        self.fused: Any = None  # fused_step.FusedWeights
+        self.argmax: Any = None  # greedy_argmax.ArgmaxWeights
+        # int64 [threads, phases, 2], or None: each fused step adds the cycles its workers
+        # spend per phase (`fused_step.fused_forward`), for profiling.
+        self.step_profile: np.ndarray | None = None
+        self._cache_arrays: Any = None
+        self._ready = threading.Event()
+        self.active = False
+        self.error: BaseException | None = None
+
+    # -- building ---------------------------------------------------------------------
+
+    def _build(self) -> None:
+        """Turn the model's weights into the executor's GEMMs (no dense copy released yet)."""
+        model, config = self.model, self.config
+        if self.mode == "grid":
+            self._build_grids()
+            return
+        make = MklGemm.of if self.mode == "mkl" else OneDnnGemm.of
+        for layer in model.layers:
+            gemms = [make(lin.weight.t(), lin.bias) for lin in layer.linears()]
+            self.layers.append(_Layer(_norms(layer), *gemms))
+        self.lm_head = make(model.lm_head_weight(), None)
+        del config
+
+    def _build_grids(self) -> None:
+        from pagedinfer.kernels.cpu import fused_step, greedy_argmax, grid_gemm
+
+        model = self.model
+        grids = find_grids(model)
+        assert grids is not None
+        layer_grids, lm_head = grids
+        orders = [grid_gemm.fixed_order(g.in_features) for g in (*layer_grids[0], lm_head)]
+        argmax = (
+            greedy_argmax.ArgmaxWeights.of(lm_head, orders[4]) if greedy_argmax.fast() else None
+        )
+        norms = torch.stack([torch.stack(_norms(layer)) for layer in model.layers])
+        self.fused = fused_step.FusedWeights.stack(
+            layer_grids,
+            lm_head,
+            orders,
+            grid_gemm.GRID_MAX_ROWS,
+            norms.detach().numpy(),
+            model.norm.weight.detach().numpy(),
+            self.config.rms_norm_eps,
+            argmax,
+        )
+        if self.fused is None:
+            raise ValueError("the layers' grids differ in kind or shape")
+        for i, layer in enumerate(model.layers):
+            gemms = []
+            for position, grid in enumerate(layer_grids[i]):
+                # A view of the stacked arrays: the fused step and this path share them.
+                view = grid_gemm.GridWeight(
+                    grid.kind,
+                    grid.out_features,
+                    grid.in_features,
+                    self.fused.codes[position][i],
+                    self.fused.scales[position][i],
+                )
+                gemms.append(GridGemm(view, orders[position]))
+            self.layers.append(_Layer(_norms(layer), *gemms))
+        self.lm_head = GridGemm(lm_head, orders[4])
+        self.argmax = argmax
+
+    def warm_up(self, block_size: int) -> None:
+        """Compile (or load from numba's disk cache) every kernel serving will call, by
+        running small batches through each path on a scratch cache. Marks the executor
+        ready; an error is kept in `error` and the executor never becomes ready."""
+        try:
+            if self.compiled:
+                with torch.inference_mode():
+                    self._run_warm_up_batches(block_size)
+        except Exception as exc:  # kept and reported: the torch forward serves instead
+            self.error = exc
+            log.exception("CPU executor: warm-up failed; the model's torch forward serves")
+            return
+        self._ready.set()
+
+    def _run_warm_up_batches(self, block_size: int) -> None:
+        config = self.config
+        num_blocks = 8
+        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        dtype = self.config_dtype()
+        caches = [
+            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+            for _ in range(config.num_layers)
+        ]
+        # Two sequences: a prompt, then decodes with greedy and sampled rows, then a draft
+        # of a few tokens (the verify kernel); each through the fused step and layer by
+        # layer where there is one.
+        prompt = min(2 * block_size + 3, num_blocks // 2 * block_size - 8)
+        steps = [[(0, prompt), (1, 5)], [(0, 1), (1, 1)], [(0, 4), (1, 1)]]
+        fused_paths = (True, False) if self.fused is not None else (False,)
+        for use_fused in fused_paths:
+            lengths = [0, 0]
+            for step in steps:
+                self._warm_up_step(caches, block_size, lengths, step, use_fused)
+
+    def _warm_up_step(
+        self,
+        caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        lengths: list[int],
+        step: list[tuple[int, int]],
+        use_fused: bool,
+    ) -> None:
+        half = caches[0][0].shape[0] // 2  # blocks per sequence
+        ids, positions, slots, seq_lens, starts = [], [], [], [], [0]
+        for seq, count in step:
+            pos = np.arange(lengths[seq], lengths[seq] + count)
+            blocks = seq * half + pos // block_size
+            ids.append(pos % 50 + 10)
+            positions.append(pos)
+            slots.append(blocks * block_size + pos % block_size)
+            lengths[seq] += count
+            seq_lens.append(lengths[seq])
+            starts.append(starts[-1] + count)
+        tables = np.stack([np.arange(s * half, (s + 1) * half) for s, _ in step])
+        attn = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).long(),
+            block_tables=torch.from_numpy(tables).int(),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        )
+        last = torch.tensor(starts[1:], dtype=torch.int64) - 1
+        greedy = torch.tensor([True, False][: len(step)])
+        saved = self.fused
+        if not use_fused:
+            self.fused = None
+        try:
+            self._forward(
+                torch.from_numpy(np.concatenate(ids)).long(),
+                torch.from_numpy(np.concatenate(positions)).long(),
+                caches,
+                attn,
+                last,
+                greedy,
+            )
+        finally:
+            self.fused = saved
+
+    def config_dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    # -- serving ----------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """Whether warm-up finished and the executor can serve (it then serves every step)."""
+        return self._ready.is_set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self._ready.wait(timeout)
+
+    def activate(self) -> None:
+        """Start serving: release the model's dense GEMM weights, which the executor holds
+        in its own form. Call between steps, from the thread that runs them."""
+        if self.active:
+            return
+        if not self.ready:
+            raise RuntimeError("CPU executor: activate before warm-up finished")
+        model = self.model
+        for layer in model.layers:
+            for linear in layer.linears():
+                linear.weight = nn.Parameter(linear.weight.to("meta"), requires_grad=False)
+        if model.lm_head is not None:
+            model.lm_head.weight = nn.Parameter(
+                model.lm_head.weight.to("meta"), requires_grad=False
+            )
+        self.active = True
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn: AttentionMetadata,
+        logits_indices: torch.Tensor,
+        greedy: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model's forward (same arguments), plus greedy: bool [S], the rows whose only
+        use is their argmax. Returns fp32 logits [S, vocab] and, where it picked greedy
+        rows' tokens without their logits, int64 [S] tokens (-1 for the other rows, whose
+        logits are written; a picked row's logits are not)."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(
+                f"kv_caches has {len(kv_caches)} entries for {len(self.layers)} layers"
+            )
+        if greedy is not None and greedy.shape != logits_indices.shape:
+            raise ValueError(
+                f"greedy has shape {tuple(greedy.shape)}, logits_indices "
+                f"{tuple(logits_indices.shape)}"
+            )
+        return self._forward(input_ids, positions, kv_caches, attn, logits_indices, greedy)
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn: AttentionMetadata,
+        logits_indices: torch.Tensor,
+        greedy: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hidden = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary(positions)
+        attn.compiled = self.compiled
+        if self.fused is not None:
+            out = self._fused_step(hidden, rope, kv_caches, attn, logits_indices, greedy)
+            if out is not None:
+                return out
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            self._layer(layer, hidden, rope, kv_cache, attn)
+        normed = self._norm(hidden[logits_indices], self.model.norm.weight)
+        if greedy is None or self.argmax is None or not bool(greedy.any()):
+            return self._logits(normed), None
+        from pagedinfer.kernels.cpu import greedy_argmax
+
+        tokens = torch.full(logits_indices.shape, -1, dtype=torch.int64)
+        tokens[greedy] = greedy_argmax.lm_head_argmax(normed[greedy], self.argmax)
+        logits = torch.empty(normed.shape[0], self.config.vocab_size)  # picked rows' unwritten
+        needed = tokens < 0
+        if bool(needed.any()):
+            logits[needed] = self._logits(normed[needed])
+        return logits, tokens
+
+    def _logits(self, normed: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None
+        return self.lm_head(normed).float()
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        eps = self.config.rms_norm_eps
+        if self.compiled:
+            from pagedinfer.kernels.cpu import layer_ops
+
+            return layer_ops.rms_norm(x, weight, eps)
+        xf = x.float()
+        scale = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+        return (xf * scale * weight.float()).to(x.dtype)
+
+    def _layer(
+        self,
+        layer: _Layer,
+        hidden: torch.Tensor,
+        rope: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionMetadata,
+    ) -> None:
+        """hidden += the layer's attention and MLP, in place (the model's DecoderLayer)."""
+        config = self.config
+        num_tokens, nh, nkv, d = (
+            hidden.shape[0],
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+        )
+        q_size, kv_size = nh * d, nkv * d
+        scale = d**-0.5
+        qkv = layer.qkv(self._norm(hidden, layer.norms[0]))
+        query = qkv[:, :q_size].view(num_tokens, nh, d)
+        k_cache, v_cache = kv_cache
+        validate = not attn.validated
+        if self.compiled:  # rotation and cache write in one kernel, reading qkv's rows once
+            from pagedinfer.kernels.cpu import layer_ops
+
+            if validate:
+                key = qkv[:, q_size : q_size + kv_size].view(num_tokens, nkv, d)
+                value = qkv[:, q_size + kv_size :].view(num_tokens, nkv, d)
+                check_write_kv(key, value, k_cache, v_cache, attn.slot_mapping, False)
+            layer_ops.rope_write_kv(qkv, rope, attn.slot_mapping, k_cache, v_cache, nh)
+        else:
+            qk = qkv[:, : q_size + kv_size].view(num_tokens, nh + nkv, d)
+            _rotate(qk, rope)
+            value = qkv[:, q_size + kv_size :].view(num_tokens, nkv, d)
+            kernels.write_kv(
+                qk[:, nh:],
+                value,
+                k_cache,
+                v_cache,
+                attn.slot_mapping,
+                check_values=False,
+                validate=validate,
+            )
+        args = (query, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc)
+        if validate:
+            check_paged_attention(*args, scale, None, check_values=False)
+        plan = attn.plan_for(query, k_cache, v_cache)
+        out = kernels.paged_attention(*args, scale, validate=False, plan=plan)
+        attn.validated = True
+        layer.o.add_into(hidden, out.view(num_tokens, q_size))
+        gate_up = layer.gate_up(self._norm(hidden, layer.norms[1]))
+        if self.compiled:
+            from pagedinfer.kernels.cpu import layer_ops
+
+            act = layer_ops.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.split(config.intermediate_size, dim=-1)
+            act = F.silu(gate).mul_(up)
+        layer.down.add_into(hidden, act)
+
+    def _fused_step(
+        self,
+        hidden: torch.Tensor,
+        rope: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn: AttentionMetadata,
+        logits_indices: torch.Tensor,
+        greedy: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The step as one compiled call (`fused_step`), where it serves the batch: up to
+        `FusedWeights.max_tokens` new tokens, every sequence on the compiled attention
+        kernels. None: the step runs layer by layer."""
+        from pagedinfer.kernels.cpu import fused_step, paged_decode
+
+        config = self.config
+        tokens = hidden.shape[0]
+        if tokens > self.fused.max_tokens:
+            return None
+        k_cache, v_cache = kv_caches[0]
+        query = hidden.new_empty(tokens, config.num_heads, config.head_dim)
+        if not paged_decode.supports(query, k_cache, v_cache):
+            return None
+        qsl = attn.query_start_loc
+        args = (query, k_cache, v_cache, attn.block_tables, attn.seq_lens, qsl)
+        scale = config.head_dim**-0.5
+        if not attn.validated:  # the checks the first layer's calls make
+            key = hidden.new_empty(tokens, config.num_kv_heads, config.head_dim)
+            check_write_kv(key, key, k_cache, v_cache, attn.slot_mapping, False)
+            check_paged_attention(*args, scale, None, check_values=False)
+        plan = attn.plan_for(query, k_cache, v_cache)
+        if plan.groups:
+            return None
+        attn.validated = True
+        shape = fused_step.StepShape(
+            hidden=config.hidden_size,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            intermediate=config.intermediate_size,
+            vocab=config.vocab_size,
+            block_size=k_cache.shape[1],
+        )
+        self._cache_arrays = fused_step.cache_arrays(kv_caches, self._cache_arrays)
+        return fused_step.fused_forward(
+            self.fused,
+            shape,
+            hidden,
+            rope,
+            attn.slot_mapping,
+            kv_caches,
+            plan,
+            logits_indices,
+            scale,
+            None if greedy is None else greedy.numpy(),
+            self.step_profile,
+            self._cache_arrays,
+        )
+
+
+def _norms(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    return (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach())
+
+
+def _rotate(x: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    """Neox-style rotation of x [T, heads, head_dim] in place (as the model's `apply_rotary`)."""
+    cos, sin = cos_sin[:, 0].unsqueeze(1), cos_sin[:, 1].unsqueeze(1)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated1 = x1 * cos - x2 * sin
+    x2.mul_(cos).addcmul_(x1, sin)
+    x1.copy_(rotated1)
+
+
+def find_grids(model: nn.Module) -> tuple[list[list[Any]], Any] | None:
+    """Every GEMM weight's quantisation grid (`grid_gemm.to_grid`), or None where one has
+    none, or a GEMM has a bias (the fused step adds none)."""
+    from pagedinfer.kernels.cpu import grid_gemm
+
+    config = model.config
+    if config.attention_bias or config.o_proj_bias or config.mlp_bias:
+        return None
+    layers = []
+    for layer in model.layers:
+        grids = [grid_gemm.to_grid(linear.weight.t()) for linear in layer.linears()]
+        if any(g is None for g in grids):
+            return None
+        layers.append(grids)
+    lm_head = grid_gemm.to_grid(model.lm_head_weight())
+    return None if lm_head is None else (layers, lm_head)
+
+
+def choose_mode(model: nn.Module) -> tuple[str, bool] | None:
+    """Which GEMMs and whether compiled kernels serve this model on this CPU: decided by
+    the weights' dtype and values and the CPU's features, never by timing anything."""
+    dtype = model.embed_tokens.weight.dtype
+    compiled = dtype == torch.float32 and torch_ops.compiled_kernels()
+    if compiled and find_grids(model) is not None:
+        return "grid", True
+    if mkl_fp32_available(dtype):
+        return "mkl", compiled
+    if onednn_bf16_available(dtype):
+        return "onednn", False
+    return None
+
+
+def prepare(model: nn.Module, block_size: int, background: bool = False) -> CpuExecutor | None:
+    """The executor for `model` on this CPU, or None where the model's own torch forward
+    must serve it: a feature the executor lacks, weights off the CPU, or no faster GEMMs
+    for its dtype here.
+
+    Compiles the kernels serving will call (numba's disk cache makes this fast after the
+    first start) before returning, or with background=True in a thread while the caller
+    keeps serving on the torch forward: `ready` then turns true, and the caller calls
+    `activate` between steps.
+    """
+    missing = unsupported_features(model.config)
+    if missing:
+        log.info("CPU executor: not used, the model has features it lacks: %s", missing)
+        return None
+    if model.embed_tokens.weight.device.type != "cpu":
+        return None
+    choice = choose_mode(model)
+    if choice is None:
+        return None
+    executor = CpuExecutor(model, *choice)
+    executor._build()
+    log.info(
+        "CPU executor: %s GEMMs, %s kernels between them%s",
+        executor.mode,
+        "compiled" if executor.compiled else "torch",
+        f"; steps of up to {executor.fused.max_tokens} tokens in one compiled call"
+        if executor.fused is not None
+        else "",
+    )
+    if background:
+        threading.Thread(
+            target=executor.warm_up, args=(block_size,), name="cpu-executor-warm-up", daemon=True
+        ).start()
+    else:
+        executor.warm_up(block_size)
+        if executor.ready:
+            executor.activate()
+    return executor
+
+
+__all__: Sequence[str] = ("SUPPORTED_FEATURES", "CpuExecutor", "prepare", "unsupported_features")

@@ -1,0 +1,126 @@
+"""The GEMMs the CPU executor runs, one object per weight: the matmul library's packed
+layouts (MKL's for fp32, oneDNN's for bf16 where the CPU has native bf16) and the grid
+GEMM (`grid_gemm`) for weights that lie on a quantisation grid.
+
+Each takes x [rows, in_features] and gives x @ W.T (+ bias), or adds it into `out`.
+A packed weight serves a batch of any size; the batch hint only tunes its layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from pagedinfer.kernels import torch_ops
+
+# The batch sizes the libraries tune a packed layout for (any batch runs on it).
+ONEDNN_BATCH_HINT = 32
+MKL_BATCH_HINT = 128
+
+
+def onednn_bf16_available(dtype: torch.dtype) -> bool:
+    """Whether bf16 weights can be packed for oneDNN's AMX/AVX512-BF16 GEMMs on this CPU."""
+    return (
+        dtype == torch.bfloat16
+        and torch_ops.native_bf16()
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+def mkl_fp32_available(dtype: torch.dtype) -> bool:
+    """Whether fp32 weights can be packed for MKL's sgemm (torch built with MKL)."""
+    return (
+        dtype == torch.float32
+        and torch.backends.mkl.is_available()
+        and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+    )
+
+
+class Gemm(Protocol):
+    out_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def add_into(self, out: torch.Tensor, x: torch.Tensor) -> None: ...
+
+
+@dataclass
+class OneDnnGemm:
+    """A bf16 weight in oneDNN's blocked layout."""
+
+    packed: torch.Tensor
+    bias: torch.Tensor | None
+    out_features: int
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> OneDnnGemm:
+        """weight: [out_features, in_features], nn.Linear's layout (a view is fine)."""
+        packed = torch.ops.mkldnn._reorder_linear_weight(
+            weight.detach().contiguous(), ONEDNN_BATCH_HINT
+        )
+        return cls(packed, None if bias is None else bias.detach(), weight.shape[0])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def add_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        out += self(x)
+
+
+@dataclass
+class MklGemm:
+    """An fp32 weight in MKL's packed layout.
+
+    torch's `_mkl_linear` also takes the dense weight, which it reads only when the batch
+    size it is told differs from the input's; we always tell it the input's, so a
+    one-element stand-in of the right shape takes the dense weight's place.
+    """
+
+    packed: torch.Tensor
+    shape_only: torch.Tensor
+    bias: torch.Tensor | None
+    out_features: int
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> MklGemm:
+        """weight: [out_features, in_features], nn.Linear's layout (a view is fine)."""
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(
+            weight.detach().contiguous(), MKL_BATCH_HINT
+        )
+        shape_only = torch.zeros(1, dtype=weight.dtype).expand(weight.shape)
+        return cls(packed, shape_only, None if bias is None else bias.detach(), weight.shape[0])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkl._mkl_linear(x, self.packed, self.shape_only, self.bias, x.shape[0])
+
+    def add_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        out += self(x)
+
+
+@dataclass
+class GridGemm:
+    """A weight held as its quantisation grid (`grid_gemm.GridWeight`), summed in one
+    fixed order, so that a row gets the same bits in a batch of any size."""
+
+    weight: object  # grid_gemm.GridWeight
+    order: object  # grid_gemm.SumOrder
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from pagedinfer.kernels.cpu import grid_gemm
+
+        return grid_gemm.grid_linear(x.contiguous(), self.weight, self.order)
+
+    def add_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        from pagedinfer.kernels.cpu import grid_gemm
+
+        if out.is_contiguous():
+            grid_gemm.grid_linear(x.contiguous(), self.weight, self.order, out=out, add=True)
+        else:
+            out += self(x)

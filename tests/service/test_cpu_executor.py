@@ -1,0 +1,155 @@
+"""The CPU backend's door: the executor serves exactly the model features it implements,
+gives the logits of the model's own torch forward for each of them, and leaves every
+other configuration to that forward."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from paged_cache import BLOCK_SIZE, PagedCache
+
+from pagedinfer.kernels import cpu
+from pagedinfer.service.models.llama import FEATURES, LlamaModel, ModelConfig
+
+BASE: dict[str, Any] = {
+    "architecture": "llama",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 4,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "max_position_embeddings": 256,
+}
+
+# One configuration per feature the model layer knows: a feature added to the model layer
+# without a case here fails `test_every_model_feature_has_a_case`.
+FEATURE_CASES: dict[str, dict[str, Any]] = {
+    "rms_norm": {},
+    "silu_glu": {},
+    "rope_neox": {},
+    "rope_scaling_linear": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    "rope_scaling_dynamic": {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+    "rope_scaling_llama3": {
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
+    },
+    "rope_scaling_yarn": {
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    },
+    "grouped_query_attention": {"num_kv_heads": 2},
+    "qkv_bias": {"attention_bias": True},
+    "o_proj_bias": {"o_proj_bias": True},
+    "mlp_bias": {"mlp_bias": True},
+    "tied_embeddings": {"tie_word_embeddings": True},
+    "untied_lm_head": {},
+}
+
+# A prompt each for two sequences, then a decode and a four-token run.
+PROMPTS = [(0, [3, 17, 99, 5, 42, 7, 8, 200, 31, 64, 12, 9, 150, 77, 1, 2, 3, 4, 5], 0),
+           (1, [250, 4, 4, 60, 61, 62], 0)]  # fmt: skip
+NEXT = [(0, [11], 19), (1, [5, 6, 7, 8], 6)]
+
+
+def random_model(config: ModelConfig, seed: int = 0) -> LlamaModel:
+    """A model with seeded random weights, biases and norms (none left at their init)."""
+    generator = torch.Generator().manual_seed(seed)
+    model = LlamaModel(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if "norm" in name:
+                param.copy_(1.0 + 0.2 * noise)
+            else:
+                param.copy_(0.2 * noise)
+    return model
+
+
+def logits_of(runner: Any, config: ModelConfig) -> torch.Tensor:
+    cache = PagedCache(config, 2, 64)
+    first = torch.cat(cache.step(runner, PROMPTS))
+    return torch.cat((first, *cache.step(runner, NEXT)))
+
+
+def test_every_model_feature_has_a_case() -> None:
+    assert set(FEATURE_CASES) == set(FEATURES)
+
+
+def test_the_executor_claims_only_features_the_model_layer_knows() -> None:
+    assert set(FEATURES) >= cpu.SUPPORTED_FEATURES
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURE_CASES))
+def test_each_feature_is_served_as_the_torch_forward_serves_it_or_left_to_it(
+    feature: str,
+) -> None:
+    config = ModelConfig(**{**BASE, **FEATURE_CASES[feature]})
+    assert feature in config.features()
+    model = random_model(config)
+    expected = logits_of(model, config)
+    executor = cpu.prepare(copy.deepcopy(model), BLOCK_SIZE)
+    if feature not in cpu.SUPPORTED_FEATURES:
+        assert executor is None
+        return
+    if executor is None:
+        pytest.skip("no CPU executor on this machine (no MKL for fp32)")
+    assert executor.active
+    torch.testing.assert_close(logits_of(executor, config), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_feature_the_executor_lacks_leaves_the_model_to_its_torch_forward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config = ModelConfig(**BASE)
+    monkeypatch.setattr(
+        ModelConfig, "features", lambda self: frozenset({"rms_norm", "a_new_kind_of_norm"})
+    )
+    assert cpu.unsupported_features(config) == ["a_new_kind_of_norm"]
+    assert not cpu.supports(config)
+    assert cpu.prepare(random_model(config), BLOCK_SIZE) is None
+
+
+def test_activating_releases_the_models_dense_gemm_weights() -> None:
+    config = ModelConfig(**BASE)
+    model = random_model(config)
+    executor = cpu.prepare(model, BLOCK_SIZE)
+    if executor is None:
+        pytest.skip("no CPU executor on this machine (no MKL for fp32)")
+    for layer in model.layers:
+        assert all(linear.weight.is_meta for linear in layer.linears())
+    assert model.lm_head is not None and model.lm_head.weight.is_meta
+    assert not model.embed_tokens.weight.is_meta  # the token lookup still reads it
+
+
+def test_a_background_warm_up_leaves_the_dense_weights_until_activated() -> None:
+    config = ModelConfig(**BASE)
+    model = random_model(config)
+    executor = cpu.prepare(model, BLOCK_SIZE, background=True)
+    if executor is None:
+        pytest.skip("no CPU executor on this machine (no MKL for fp32)")
+    assert not executor.active
+    assert executor.wait_ready(timeout=600)
+    assert not model.layers[0].self_attn.qkv_proj.weight.is_meta
+    executor.activate()
+    assert model.layers[0].self_attn.qkv_proj.weight.is_meta
+
+
+def test_the_same_configuration_always_takes_the_same_path() -> None:
+    config = dataclasses.replace(ModelConfig(**BASE))
+    modes = {cpu.executor.choose_mode(random_model(config, seed)) for seed in range(3)}
+    assert len(modes) == 1
