@@ -171,9 +171,10 @@ def structural_to_jsonschema(schema: dict) -> dict:
     return result
 
 
-def crd_validator(crd: dict) -> jsonschema.protocols.Validator:
-    """Validates an InferenceService object against the CRD's openAPIV3Schema."""
-    schema = structural_to_jsonschema(crd_version_schema(crd))
+def crd_validator(crd: dict, version: str = VERSION) -> jsonschema.protocols.Validator:
+    """Validates an object against one version's openAPIV3Schema of a CRD (by default
+    the InferenceService's)."""
+    schema = structural_to_jsonschema(crd_version_schema(crd, version))
     jsonschema.Draft202012Validator.check_schema(schema)
     return jsonschema.Draft202012Validator(schema)
 
@@ -184,3 +185,71 @@ def schema_errors(validator: jsonschema.protocols.Validator, obj: dict) -> list[
         f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"
         for e in sorted(validator.iter_errors(obj), key=lambda e: list(map(str, e.path)))
     ]
+
+
+# -- other projects' CRDs (tests/charts/vendor_crds, see its README) ------------------
+
+VENDOR_CRDS = Path(__file__).resolve().parent / "vendor_crds"
+
+
+def _json_patch_add(doc: dict, ops: list[dict]) -> dict:
+    """`doc` with RFC 6902 `add` operations applied (the only kind the vendored patches use)."""
+    doc = copy.deepcopy(doc)
+    for op in ops:
+        assert op["op"] == "add", op
+        *parents, last = [
+            p.replace("~1", "/").replace("~0", "~") for p in op["path"][1:].split("/")
+        ]
+        node: Any = doc
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        node[last] = op["value"]
+    return doc
+
+
+@functools.cache
+def vendored_crd(name: str) -> dict:
+    """A vendored CRD by file stem, as its project releases it: the base file, with its
+    JSON patch (`<stem>.patch.yaml`) applied when there is one."""
+    (crd,) = load_all((VENDOR_CRDS / f"{name}.yaml").read_text())
+    patch = VENDOR_CRDS / f"{name}.patch.yaml"
+    if patch.exists():
+        crd = _json_patch_add(crd, yaml.safe_load(patch.read_text()))
+    assert crd["kind"] == "CustomResourceDefinition"
+    return crd
+
+
+def crd_tools():
+    """tests/operator/crd_tools.py: defaults and CEL rules of a schema, applied offline."""
+    path = REPO_ROOT / "tests" / "operator" / "crd_tools.py"
+    spec = importlib.util.spec_from_file_location("operator_crd_tools", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class CustomResources:
+    """Checks objects of the kinds the vendored CRDs (and ours) define, as an API server
+    would: defaults from the schema, the schema with unknown fields refused, then the CEL
+    rules, evaluated by cel-python."""
+
+    def __init__(self, crds: list[dict]):
+        self._tools = crd_tools()
+        self._by_type: dict[tuple[str, str], tuple[dict, jsonschema.protocols.Validator]] = {}
+        for crd in crds:
+            group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
+            for version in crd["spec"]["versions"]:
+                if version["served"]:
+                    schema = version["schema"]["openAPIV3Schema"]
+                    key = (f"{group}/{version['name']}", kind)
+                    self._by_type[key] = (schema, crd_validator(crd, version["name"]))
+
+    def knows(self, obj: dict) -> bool:
+        return (obj.get("apiVersion"), obj.get("kind")) in self._by_type
+
+    def errors(self, obj: dict) -> list[str]:
+        """Every refusal of `obj`; empty when an API server would admit it."""
+        schema, validator = self._by_type[obj["apiVersion"], obj["kind"]]
+        defaulted = self._tools.apply_defaults(schema, obj)
+        return schema_errors(validator, defaulted) or self._tools.cel_errors(defaulted, schema)

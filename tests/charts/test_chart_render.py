@@ -25,28 +25,22 @@ from chart_tools import (
     NAMESPACE,
     RELEASE,
     VERSION,
+    CustomResources,
+    crd_tools,
     helm,
     load_all,
     render,
     schema_errors,
     template_args,
+    vendored_crd,
 )
 
 from pagedinfer.operator.spec import validation_errors
 
 VALUES_IDS = [p.stem for p in CI_VALUES]
+VENDORED_CRDS = ("inference.networking.k8s.io_inferencepools", "keda.sh_scaledobjects")
 KOPF_PEERING_API = "kopf.dev/v1"
 OPERATOR = f"{RELEASE}-pagedinfer-operator"
-
-
-def operator_crd_tools():
-    """tests/operator/crd_tools.py: the CRD's defaults and CEL rules, applied offline."""
-    path = CHART_DIR.parents[1] / "tests" / "operator" / "crd_tools.py"
-    spec = importlib.util.spec_from_file_location("operator_crd_tools", path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def ci_values(name: str) -> Path:
@@ -69,7 +63,9 @@ def pod_specs(objects: tuple[dict, ...]) -> list[tuple[str, dict]]:
 
 
 def test_there_are_values_files_for_each_case():
-    assert {"default-values", "autoscaling-off-values", "custom-values"} <= set(VALUES_IDS)
+    assert {"default-values", "autoscaling-off-values", "custom-values", "ecosystem-values"} <= set(
+        VALUES_IDS
+    )
 
 
 @pytest.mark.parametrize("values", [None, *CI_VALUES], ids=["no-values", *VALUES_IDS])
@@ -84,11 +80,16 @@ def test_helm_lint_strict_passes(values):
 
 @pytest.mark.parametrize("values", CI_VALUES, ids=VALUES_IDS)
 def test_every_rendered_object_passes_kubernetes_validate_strict(values, isvc_validator):
+    # The optional InferencePool and ScaledObject, against their projects' CRDs.
+    others = CustomResources([vendored_crd(name) for name in VENDORED_CRDS])
     problems = []
     for obj in render(values):
         where = f"{obj['kind']}/{obj['metadata']['name']}"
         if obj["apiVersion"] == f"{GROUP}/{VERSION}":
             problems += [f"{where}: {e}" for e in schema_errors(isvc_validator, obj)]
+            continue
+        if others.knows(obj):
+            problems += [f"{where}: {e}" for e in others.errors(obj)]
             continue
         if obj["apiVersion"] == KOPF_PEERING_API:  # kopf's CRD, not ours: no schema here
             assert obj["kind"] in ("ClusterKopfPeering", "KopfPeering") and "spec" not in obj
@@ -303,8 +304,17 @@ def test_test_pod_account_may_only_read():
 # -- operator arguments -------------------------------------------------------------
 
 
+def operator_deployment(objects: tuple[dict, ...]) -> dict:
+    (deployment,) = [
+        o
+        for o in by_kind(objects, "Deployment")
+        if o["metadata"]["labels"].get("app.kubernetes.io/component") == "operator"
+    ]
+    return deployment
+
+
 def operator_args(objects: tuple[dict, ...]) -> list[str]:
-    (deployment,) = by_kind(objects, "Deployment")
+    deployment = operator_deployment(objects)
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     assert "command" not in container, "the image's ENTRYPOINT (pagedinfer) starts it"
     return container["args"]
@@ -333,7 +343,7 @@ def test_operator_args_are_accepted_by_the_pagedinfer_operator_command(values):
 @pytest.mark.parametrize("values", CI_VALUES, ids=VALUES_IDS)
 def test_never_two_operators_at_once(values):
     """kopf has no leader election: one replica, and the old pod stops before the new one."""
-    (deployment,) = by_kind(render(values), "Deployment")
+    deployment = operator_deployment(render(values))
     assert deployment["spec"]["replicas"] == 1
     assert deployment["spec"]["strategy"] == {"type": "Recreate"}
 
@@ -364,7 +374,7 @@ def test_example_inferenceservice_is_valid_against_the_crd(values, name, isvc_va
     # as written in the CRD, evaluated by cel-python through the operator suite's helper.
     assert validation_errors(isvc) == []
     pytest.importorskip("celpy")
-    assert operator_crd_tools().admission_errors(isvc) == []
+    assert crd_tools().admission_errors(isvc) == []
 
 
 def test_autoscaling_off_example_has_static_replicas():

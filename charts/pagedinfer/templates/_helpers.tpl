@@ -78,3 +78,46 @@ all namespaces (cluster-wide RBAC).
 {{- define "pagedinfer.clusterWide" -}}
 {{- if not .Values.operator.watchNamespaces }}true{{- end }}
 {{- end }}
+
+{{/*
+The endpoint picker's configuration for pagedinfer pods: the metric names they export
+(vLLM's) for the engine type the operator labels them with, and the scorers that read
+them. The same as in examples/inferencepool.yaml.
+*/}}
+{{- define "pagedinfer.eppConfig" -}}
+apiVersion: llm-d.ai/v1alpha1
+kind: EndpointPickerConfig
+plugins:
+  - type: metrics-data-source
+    parameters:
+      scheme: http
+      path: /metrics
+  - type: core-metrics-extractor
+    parameters:
+      # The operator labels the pods llm-d.ai/engine-type=pagedinfer.
+      defaultEngine: pagedinfer
+      engineConfigs:
+        - name: pagedinfer
+          queuedRequestsSpec: vllm:num_requests_waiting
+          runningRequestsSpec: vllm:num_requests_running
+          kvUsageSpec: vllm:kv_cache_usage_perc
+          loraSpec: ""  # pagedinfer serves no LoRA adapters
+          cacheInfoSpec: vllm:cache_config_info
+  - type: queue-scorer
+  - type: kv-cache-utilization-scorer
+  - type: prefix-cache-scorer
+dataLayer:
+  sources:
+    - pluginRef: metrics-data-source
+      extractors:
+        - pluginRef: core-metrics-extractor
+schedulingProfiles:
+  - name: default
+    plugins:
+      - pluginRef: queue-scorer
+        weight: 2
+      - pluginRef: kv-cache-utilization-scorer
+        weight: 2
+      - pluginRef: prefix-cache-scorer
+        weight: 3
+{{- end }}
