@@ -232,7 +232,7 @@ def test_server_args_the_operator_builds_are_accepted_by_pagedinfer_serve(full_b
     assert parsed.command == "serve"
     assert parsed.http_port == resources.HTTP_PORT
     assert parsed.grace_period == full_body["spec"]["lifecycle"]["drainSeconds"]
-    assert parsed.served_model_name == full_body["spec"]["model"]["name"]
+    assert parsed.served_model_name == [full_body["spec"]["model"]["name"]]
 
 
 @pytest.mark.parametrize(

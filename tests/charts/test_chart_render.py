@@ -63,9 +63,8 @@ def pod_specs(objects: tuple[dict, ...]) -> list[tuple[str, dict]]:
 
 
 def test_there_are_values_files_for_each_case():
-    assert {"default-values", "autoscaling-off-values", "custom-values", "ecosystem-values"} <= set(
-        VALUES_IDS
-    )
+    cases = {"default-values", "autoscaling-off-values", "custom-values", "ecosystem-values"}
+    assert cases <= set(VALUES_IDS)
 
 
 @pytest.mark.parametrize("values", [None, *CI_VALUES], ids=["no-values", *VALUES_IDS])

@@ -6,7 +6,9 @@ the real Deployment controller and kubelet do) and keeps one server process per
 wanted replica. Each runs the command and arguments of the Deployment's pod template,
 with its ports moved to free ones on 127.0.0.1; its Pod object names them (so the
 operator scrapes each process at the port named `metrics` in that pod's own spec), and
-its Ready condition follows the gRPC health check, probed like a readiness probe.
+its Ready condition follows the container's readiness probe (an HTTP GET of /health on
+the port named http). A replica that goes leaves the ready set first, as a deleted pod
+leaves the endpoints, then gets its preStop sleep, then SIGTERM.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from operator_fakes import rfc3339
 from test_server import Server, free_port, stop_server
 
@@ -40,6 +43,8 @@ class Replica:
 
     name: str
     server: Server
+    probe_url: str  # the readiness probe's, on this process's port
+    pre_stop_s: float  # the preStop hook's sleep
     ready: bool = False
     started_at: float = field(default_factory=time.monotonic)
     ready_at: float | None = None
@@ -102,13 +107,19 @@ class ServerKubelet:
         (container,) = template["spec"]["containers"]
         assert container["command"] == ["pagedinfer"], container["command"]
         name = f"{deployment['metadata']['name']}-{next(self._indices)}"
-        ports = {"grpc": free_port(), "metrics": free_port()}
+        ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
         for port in container["ports"]:
             port["containerPort"] = ports[port["name"]]
+        probe = container["readinessProbe"]["httpGet"]
+        assert probe["scheme"] == "HTTP", probe
+        probe_url = f"http://127.0.0.1:{ports[probe['port']]}{probe['path']}"
+        sleep, seconds = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert sleep == "sleep", container["lifecycle"]
         directory = self.workdir / name
         directory.mkdir()
         args = [sys.executable, "-m", "pagedinfer.service.cli", *container["args"],
                 "--host", "127.0.0.1", "--port", str(ports["grpc"]),
+                "--http-port", str(ports["http"]),
                 "--metrics-port", str(ports["metrics"])]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_EXPORTER_OTLP")}
         env.pop("PAGEDINFER_AUTH_TOKEN", None)
@@ -117,8 +128,9 @@ class ServerKubelet:
             process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,
                                        cwd=directory, env=env)  # fmt: skip
         channel = grpc.insecure_channel(f"127.0.0.1:{ports['grpc']}")
-        server = Server(process, ports["grpc"], ports["metrics"], log, channel)
-        self.replicas[name] = Replica(name, server)
+        server = Server(process, ports["grpc"], ports["metrics"], log, channel,
+                        http_port=ports["http"])  # fmt: skip
+        self.replicas[name] = Replica(name, server, probe_url, float(seconds))
         pod = {
             "apiVersion": "v1",
             "kind": "Pod",
@@ -136,8 +148,8 @@ class ServerKubelet:
         await self._json("POST", self._pods, pod)
 
     async def _probe(self, replica: Replica) -> None:
-        """The readiness probe: SERVING from grpc.health.v1 means Ready."""
-        ready = await asyncio.to_thread(is_serving, replica.server.channel)
+        """The readiness probe: 200 from GET /health means Ready."""
+        ready = await asyncio.to_thread(answers_200, replica.probe_url)
         if ready == replica.ready:
             return
         if replica.server.process.poll() is not None:
@@ -153,10 +165,12 @@ class ServerKubelet:
                          {"status": {"conditions": [condition]}})  # fmt: skip
 
     async def _stop(self, replica: Replica) -> None:
-        """Deletes the Pod, then stops the process with SIGTERM, as Kubernetes does."""
+        """Deletes the Pod (it leaves the endpoints), runs its preStop sleep, then stops
+        the process with SIGTERM, as Kubernetes does."""
         del self.replicas[replica.name]
         self.ready = tuple(r for r in self.ready if r is not replica)
         await self.api.request("DELETE", f"{self._pods}/{replica.name}")
+        await asyncio.sleep(replica.pre_stop_s)
         self.exits[replica.name] = await asyncio.to_thread(stop_server, replica.server)
 
     # -- lifecycle --------------------------------------------------------------------
@@ -182,14 +196,13 @@ class ServerKubelet:
         self.replicas.clear()
 
 
-def is_serving(channel: grpc.Channel) -> bool:
+def answers_200(url: str) -> bool:
+    """An HTTP probe: 2xx/3xx pass, as the kubelet counts; so 200 from /health."""
     try:
-        reply = health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(service=""), timeout=1
-        )
-    except grpc.RpcError:
+        with urllib.request.urlopen(url, timeout=1) as response:
+            return 200 <= response.status < 400
+    except (urllib.error.URLError, OSError):  # 503 (loading, draining) or no answer yet
         return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 @dataclass

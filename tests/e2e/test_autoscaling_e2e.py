@@ -73,7 +73,12 @@ async def test_scales_up_under_load_and_back_down_when_it_stops(
     started = time.monotonic()
     seen: dict[str, float] = {}
     watcher = asyncio.create_task(note_events(cluster, seen))
-    spec = {"model": {"name": "smollm2"}, "engine": ENGINE, "autoscaling": AUTOSCALING}
+    spec = {
+        "model": {"name": "smollm2"},
+        "engine": ENGINE,
+        "autoscaling": AUTOSCALING,
+        "lifecycle": {"preStopSleepSeconds": 1},
+    }
     await create(cluster, isvc("llm", spec))
 
     # One replica, idle: it is scraped, and nothing is scaled.
@@ -97,7 +102,7 @@ async def test_scales_up_under_load_and_back_down_when_it_stops(
         assert up["message"].startswith("1 -> 2")
         assert utilization_of(up) > (1 - TARGET_FREE_RATIO) * (1 + AUTOSCALING["tolerance"])
         assert deployment(cluster, "llm")["spec"]["replicas"] == 2
-        # The new replica joins the round robin once its health check passes ...
+        # The new replica joins the round robin once its readiness probe passes ...
         await eventually(lambda: len(kubelet.ready) == 2, timeout=STARTUP_S)
         second = next(r for r in kubelet.ready if r is not first)
         both_ready = time.monotonic()
