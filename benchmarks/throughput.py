@@ -26,9 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import limits
 import numpy as np
-import step_profile
 import torch
 
 from pagedinfer.service.config import EngineConfig
@@ -295,6 +293,8 @@ def gemm_limits(
 
     Ceilings are against the best matmul rate seen around and in the GEMM timings.
     """
+    import limits  # scipy's linear programs: imported only for this analysis
+
     model = engine.runner.model
     every_pass = passes + (spec_passes or [])
     tokens = [m for m, _ in every_pass]
@@ -477,7 +477,9 @@ def run_hf_continuous(
     gen = GenerationConfig(
         do_sample=False, max_new_tokens=max(wl.output_lens), eos_token_id=-1, pad_token_id=0
     )
-    page = ContinuousBatchingConfig().page_size
+    # The page size is `page_size` in newer transformers, `block_size` in 5.1x.
+    defaults = ContinuousBatchingConfig()
+    page = getattr(defaults, "page_size", None) or defaults.block_size
     cb = ContinuousBatchingConfig(num_blocks=max(1, kv_tokens // page), max_batch_tokens=512)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     manager.start()
@@ -712,6 +714,8 @@ def main(argv: list[str] | None = None) -> int:
             say(json.dumps(results["gemm_limits"]))
         if first and "paged_spec" in systems and not args.no_step_profile:
             say("profiling the paged_spec run's steps ...")
+            import step_profile  # the CPU's compiled step (numba): only for this profile
+
             results["step_profile"] = step_profile.profile_run(
                 step_profile.profiling_engine(spec_config),
                 wl.prompts,
