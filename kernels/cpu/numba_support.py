@@ -509,7 +509,7 @@ def cycle_counter(typingctx: Any) -> Any:
     return types.int64(), codegen
 
 
-@numba.njit(nogil=True)
+@jit(nogil=True)
 def cycles() -> int:
     """`cycle_counter`, read from Python."""
     return cycle_counter()
@@ -529,7 +529,7 @@ def spin_pause(typingctx: Any) -> Any:
     return types.void(), codegen
 
 
-@numba.njit(inline="always", nogil=True)
+@jit(inline="always", nogil=True)
 def snake_task(turn: int, worker: int, workers: int) -> int:
     """The task a worker takes at its turn-th turn when tasks, sorted by cost (largest
     first), are dealt to the workers in a snake: 0, 1, ..., workers - 1, then back from
@@ -544,7 +544,7 @@ def snake_task(turn: int, worker: int, workers: int) -> int:
     return turn * workers + workers - 1 - worker
 
 
-@numba.njit(inline="always", nogil=True)
+@jit(inline="always", nogil=True)
 def barrier(sync: np.ndarray, workers: int, passed: int) -> int:
     """Wait until all `workers` have reached their barrier number passed + 1 (sync[0]: the
     arrivals so far, 0 before the first); returns passed + 1, the caller's new count.

@@ -82,7 +82,9 @@ def test_a_snake_deal_gives_every_task_to_one_worker(workers: int) -> None:
 
 def test_a_snake_deal_evens_out_tasks_sorted_by_cost() -> None:
     costs = list(range(32, 0, -1))  # largest first, as the attention plans sort them
-    shares = [sum(costs[numba_support.snake_task(turn, w, 2)] for turn in range(16)) for w in range(2)]
+    shares = [
+        sum(costs[numba_support.snake_task(turn, w, 2)] for turn in range(16)) for w in range(2)
+    ]
     assert shares == [264, 264]  # round-robin: 272 against 256
 
 
@@ -148,9 +150,13 @@ def test_kernels_made_by_factories_keep_one_disk_cache_key_across_processes() ->
     code = (
         "import hashlib\n"
         "from numba.core.serialize import dumps\n"
-        "from pagedinfer.kernels import grid_gemm, paged_verify\n"
+        "from pagedinfer.kernels.cpu import fused_step, grid_gemm, paged_decode, paged_verify\n"
         "gemm = grid_gemm.gemm_all_rows('affine4', 576, (288, 576), True)\n"
-        "for kernel in (paged_verify.compiled_kernel(16, 9, 3, 64), gemm):\n"
+        "shape = fused_step.StepShape(256, 4, 2, 64, 512, 512, 16)\n"
+        "orders = tuple(grid_gemm.fixed_order(k) for k in (256, 256, 256, 512, 256))\n"
+        "step = fused_step._kernel(shape, ('affine4',) * 4 + ('scaled8',), orders, 2)\n"
+        "decode, verify = (m.compiled_kernel(16, 9, 3, 64) for m in (paged_decode, paged_verify))\n"
+        "for kernel in (decode, verify, gemm, step):\n"
         "    cells = tuple(cell.cell_contents for cell in kernel.py_func.__closure__)\n"
         "    print(hashlib.sha256(dumps(cells)).hexdigest())\n"
     )
@@ -160,7 +166,7 @@ def test_kernels_made_by_factories_keep_one_disk_cache_key_across_processes() ->
         ).stdout
         for _ in range(2)
     ]
-    assert len(runs[0].split()) == 2
+    assert len(runs[0].split()) == 4
     assert runs[0] == runs[1]
 
 
