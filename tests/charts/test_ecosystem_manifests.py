@@ -427,3 +427,12 @@ def test_values_that_cannot_work_are_refused_naming_the_key(sets, message):
     result = helm(*template_args(CHART_DIR / "ci" / "default-values.yaml", *sets), check=False)
     assert result.returncode != 0
     assert message in result.stderr
+
+
+def test_notes_tell_how_to_route_to_the_pool_and_watch_keda(tmp_path):
+    args = ["install", "demo", str(CHART_DIR), "--namespace", NAMESPACE, "--dry-run=client"]
+    args += ["--kubeconfig", str(tmp_path / "none")]
+    args += ["--values", str(CHART_DIR / "ci" / "ecosystem-values.yaml")]
+    notes = helm(*args).stdout.split("NOTES:", 1)[1]
+    assert "kind: InferencePool, name: smollm2}" in notes
+    assert f"kubectl -n {NAMESPACE} get scaledobject,hpa" in notes
