@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from pagedinfer.service.models.llama import Linear, LlamaModel, ModelConfig
+from pagedinfer.service.models.llama import LlamaModel, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -383,10 +383,6 @@ def _load_weights(module: LlamaModel, weight_files: list[Path]) -> None:
         "mlp.up_proj": ("mlp.gate_up_proj", inter, 2 * inter),
     }
     params = dict(module.named_parameters())
-    # Our Linear stores weights [in, out]: checkpoint rows become our columns.
-    transposed = {
-        f"{name}.weight" for name, sub in module.named_modules() if isinstance(sub, Linear)
-    }
     filled: dict[str, int] = {}  # our parameter -> output features written
     for weight_file in weight_files:
         with safe_open(str(weight_file), framework="pt", device="cpu") as f:
@@ -406,8 +402,7 @@ def _load_weights(module: LlamaModel, weight_files: list[Path]) -> None:
                     raise ValueError(f"{weight_file.name}: unexpected tensor {hf_name!r}")
                 tensor = f.get_tensor(hf_name)
                 param = params[target].data
-                rows = slice(start, stop)  # this tensor's output features within param
-                view = param[:, rows].t() if target in transposed else param[rows]
+                view = param[slice(start, stop)]  # this tensor's output features in param
                 if view.shape != tensor.shape:
                     raise ValueError(
                         f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
@@ -415,10 +410,6 @@ def _load_weights(module: LlamaModel, weight_files: list[Path]) -> None:
                     )
                 view.copy_(tensor)
                 filled[target] = filled.get(target, 0) + tensor.shape[0]
-    missing = [
-        n
-        for n, p in params.items()
-        if filled.get(n, 0) != (p.shape[-1] if n in transposed else p.shape[0])
-    ]
+    missing = [n for n, p in params.items() if filled.get(n, 0) != p.shape[0]]
     if missing:
         raise ValueError(f"checkpoint is missing weights for: {missing[:5]}")

@@ -32,6 +32,7 @@ from torch import nn
 from pagedinfer import kernels
 from pagedinfer.kernels import torch_ops
 from pagedinfer.kernels.cpu.gemms import (
+    DenseGemm,
     Gemm,
     GridGemm,
     MklGemm,
@@ -87,7 +88,7 @@ class CpuExecutor:
     def __init__(self, model: nn.Module, mode: str, compiled: bool) -> None:
         self.model = model
         self.config = model.config
-        self.mode = mode  # "grid", "mkl" or "onednn"
+        self.mode = mode  # "grid", "mkl", "onednn" or "dense"
         self.compiled = compiled  # the ops between the GEMMs and attention in numba kernels
         self.layers: list[_Layer] = []
         self.lm_head: Gemm | None = None
@@ -104,25 +105,26 @@ class CpuExecutor:
     # -- building ---------------------------------------------------------------------
 
     def _build(self) -> None:
-        """Turn the model's weights into the executor's GEMMs (no dense copy released yet)."""
-        model, config = self.model, self.config
-        if self.mode == "grid":
-            self._build_grids()
+        """Turn the model's weights into the executor's GEMMs (no dense copy released yet):
+        their grids where every weight lies on one and the kernels are compiled, else the
+        library's packed layout."""
+        model = self.model
+        grids = find_grids(model) if self.mode == "grid" else None
+        if grids is not None:
+            self._build_grids(*grids)
             return
-        make = MklGemm.of if self.mode == "mkl" else OneDnnGemm.of
+        if self.mode == "grid":
+            self.mode = "mkl" if mkl_fp32_available(self.config_dtype()) else "dense"
+        make = {"mkl": MklGemm.of, "onednn": OneDnnGemm.of, "dense": DenseGemm.of}[self.mode]
         for layer in model.layers:
-            gemms = [make(lin.weight.t(), lin.bias) for lin in layer.linears()]
+            gemms = [make(lin.weight, lin.bias) for lin in layer.linears()]
             self.layers.append(_Layer(_norms(layer), *gemms))
         self.lm_head = make(model.lm_head_weight(), None)
-        del config
 
-    def _build_grids(self) -> None:
+    def _build_grids(self, layer_grids: list[list[Any]], lm_head: Any) -> None:
         from pagedinfer.kernels.cpu import fused_step, greedy_argmax, grid_gemm
 
         model = self.model
-        grids = find_grids(model)
-        assert grids is not None
-        layer_grids, lm_head = grids
         orders = [grid_gemm.fixed_order(g.in_features) for g in (*layer_grids[0], lm_head)]
         argmax = (
             greedy_argmax.ArgmaxWeights.of(lm_head, orders[4]) if greedy_argmax.fast() else None
@@ -156,11 +158,21 @@ class CpuExecutor:
         self.lm_head = GridGemm(lm_head, orders[4])
         self.argmax = argmax
 
-    def warm_up(self, block_size: int) -> None:
-        """Compile (or load from numba's disk cache) every kernel serving will call, by
-        running small batches through each path on a scratch cache. Marks the executor
-        ready; an error is kept in `error` and the executor never becomes ready."""
+    def build_and_warm_up(self, block_size: int) -> None:
+        """Build the GEMMs, then compile (or load from numba's disk cache) every kernel
+        serving will call, by running small batches through each path on a scratch cache.
+        Marks the executor ready; an error is kept in `error` and the executor never
+        becomes ready (the model's torch forward keeps serving)."""
         try:
+            self._build()
+            log.info(
+                "CPU executor: %s GEMMs, %s ops between them%s",
+                self.mode,
+                "compiled" if self.compiled else "torch",
+                f"; steps of up to {self.fused.max_tokens} tokens in one compiled call"
+                if self.fused is not None
+                else "",
+            )
             if self.compiled:
                 with torch.inference_mode():
                     self._run_warm_up_batches(block_size)
@@ -476,7 +488,7 @@ def find_grids(model: nn.Module) -> tuple[list[list[Any]], Any] | None:
         return None
     layers = []
     for layer in model.layers:
-        grids = [grid_gemm.to_grid(linear.weight.t()) for linear in layer.linears()]
+        grids = [grid_gemm.to_grid(linear.weight) for linear in layer.linears()]
         if any(g is None for g in grids):
             return None
         layers.append(grids)
@@ -486,10 +498,13 @@ def find_grids(model: nn.Module) -> tuple[list[list[Any]], Any] | None:
 
 def choose_mode(model: nn.Module) -> tuple[str, bool] | None:
     """Which GEMMs and whether compiled kernels serve this model on this CPU: decided by
-    the weights' dtype and values and the CPU's features, never by timing anything."""
+    the weights' dtype and the CPU's features, never by timing anything. "grid" becomes
+    "mkl" when building finds a weight on no grid (`find_grids`)."""
     dtype = model.embed_tokens.weight.dtype
     compiled = dtype == torch.float32 and torch_ops.compiled_kernels()
-    if compiled and find_grids(model) is not None:
+    config = model.config
+    biases = config.attention_bias or config.o_proj_bias or config.mlp_bias
+    if compiled and not biases:
         return "grid", True
     if mkl_fp32_available(dtype):
         return "mkl", compiled
@@ -518,21 +533,15 @@ def prepare(model: nn.Module, block_size: int, background: bool = False) -> CpuE
     if choice is None:
         return None
     executor = CpuExecutor(model, *choice)
-    executor._build()
-    log.info(
-        "CPU executor: %s GEMMs, %s kernels between them%s",
-        executor.mode,
-        "compiled" if executor.compiled else "torch",
-        f"; steps of up to {executor.fused.max_tokens} tokens in one compiled call"
-        if executor.fused is not None
-        else "",
-    )
     if background:
         threading.Thread(
-            target=executor.warm_up, args=(block_size,), name="cpu-executor-warm-up", daemon=True
+            target=executor.build_and_warm_up,
+            args=(block_size,),
+            name="cpu-executor-warm-up",
+            daemon=True,
         ).start()
     else:
-        executor.warm_up(block_size)
+        executor.build_and_warm_up(block_size)
         if executor.ready:
             executor.activate()
     return executor

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedinfer.kernels.cpu import greedy_argmax, paged_decode, grid_gemm, layer_ops, paged_verify
+from pagedinfer.kernels.cpu import greedy_argmax, grid_gemm, layer_ops, paged_decode, paged_verify
 from pagedinfer.kernels.cpu.numba_support import Job, barrier, cycle_counter, jit, run_jobs
 
 # The phases of a step, as `fused_forward` profiles them: each ends where the workers meet

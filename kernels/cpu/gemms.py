@@ -56,11 +56,11 @@ class OneDnnGemm:
     out_features: int
 
     @classmethod
-    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> OneDnnGemm:
+    def of(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = ONEDNN_BATCH_HINT
+    ) -> OneDnnGemm:
         """weight: [out_features, in_features], nn.Linear's layout (a view is fine)."""
-        packed = torch.ops.mkldnn._reorder_linear_weight(
-            weight.detach().contiguous(), ONEDNN_BATCH_HINT
-        )
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_hint)
         return cls(packed, None if bias is None else bias.detach(), weight.shape[0])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,11 +85,11 @@ class MklGemm:
     out_features: int
 
     @classmethod
-    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> MklGemm:
+    def of(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = MKL_BATCH_HINT
+    ) -> MklGemm:
         """weight: [out_features, in_features], nn.Linear's layout (a view is fine)."""
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(
-            weight.detach().contiguous(), MKL_BATCH_HINT
-        )
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach().contiguous(), batch_hint)
         shape_only = torch.zeros(1, dtype=weight.dtype).expand(weight.shape)
         return cls(packed, shape_only, None if bias is None else bias.detach(), weight.shape[0])
 
@@ -124,3 +124,25 @@ class GridGemm:
             grid_gemm.grid_linear(x.contiguous(), self.weight, self.order, out=out, add=True)
         else:
             out += self(x)
+
+
+@dataclass
+class DenseGemm:
+    """A weight as the checkpoint gives it, for CPUs where neither library layout applies."""
+
+    weight: torch.Tensor  # [out_features, in_features]
+    bias: torch.Tensor | None
+    out_features: int
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> DenseGemm:
+        bias = None if bias is None else bias.detach()
+        return cls(weight.detach(), bias, weight.shape[0])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+    def add_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        out.addmm_(x, self.weight.t())
+        if self.bias is not None:
+            out += self.bias

@@ -51,7 +51,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedinfer.kernels.cpu.paged_decode import DOT_PARTS, sum_slots
 from pagedinfer.kernels.cpu.numba_support import (
     FASTMATH,
     Job,
@@ -70,6 +69,7 @@ from pagedinfer.kernels.cpu.numba_support import (
     snake_task,
     stack_array,
 )
+from pagedinfer.kernels.cpu.paged_decode import DOT_PARTS, sum_slots
 
 LANES = 16  # query vectors per task and KV head: one 512-bit vector of fp32
 # Register tiles: the DOT_PARTS partial scores of 2 positions (16 accumulators), the

@@ -203,27 +203,36 @@ def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> None:
 
 
 class Linear(nn.Module):
-    """y = x @ weight (+ bias), with weight stored [in_features, out_features].
+    """y = x @ weight.T (+ bias), weight [out_features, in_features] as in checkpoints.
 
-    The transpose of nn.Linear's layout: on CPU, torch's matmul runs these shapes faster
-    at serving batch sizes than x @ weight.T. The loader fills it from checkpoints.
+    Parameters are left uninitialised: the loader fills every one from the checkpoint.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(in_features, out_features))
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None:
-            return torch.mm(x, self.weight)
-        return torch.addmm(self.bias, x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
     def add_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
-        """out += x @ weight (+ bias), with the addition fused into the GEMM."""
-        out.addmm_(x, self.weight)
+        """out += x @ weight.T (+ bias), with the addition fused into the GEMM."""
+        out.addmm_(x, self.weight.t())
         if self.bias is not None:
             out += self.bias
+
+
+class Embedding(nn.Module):
+    """Token embeddings [vocab, hidden] (uninitialised until loaded); tied, also the LM
+    head's weight."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -338,7 +347,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -346,7 +355,7 @@ class LlamaModel(nn.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
 
     def lm_head_weight(self) -> torch.Tensor:
