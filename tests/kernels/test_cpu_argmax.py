@@ -13,25 +13,25 @@ pytest.importorskip("numba", reason="the argmax kernels are compiled with numba"
 from test_cpu_gemm import affine4_weight, scaled8_weight
 from threads import torch_threads
 
-from pagedinfer.kernels import cpu_argmax, cpu_gemm
+from pagedinfer.kernels.cpu import greedy_argmax, grid_gemm
 
 VOCAB, HIDDEN = 1024, 256
 ORDERS = [
-    cpu_gemm.SumOrder((HIDDEN,), True),
-    cpu_gemm.SumOrder((96, 192, HIDDEN), False),
+    grid_gemm.SumOrder((HIDDEN,), True),
+    grid_gemm.SumOrder((96, 192, HIDDEN), False),
 ]
 
 
-def lm_head(weight: torch.Tensor, order: cpu_gemm.SumOrder) -> cpu_argmax.ArgmaxWeights:
-    grid = cpu_gemm.to_grid(weight)
-    assert grid is not None and grid.kind == cpu_gemm.SCALED8
-    weights = cpu_argmax.ArgmaxWeights.of(grid, order)
+def lm_head(weight: torch.Tensor, order: grid_gemm.SumOrder) -> greedy_argmax.ArgmaxWeights:
+    grid = grid_gemm.to_grid(weight)
+    assert grid is not None and grid.kind == grid_gemm.SCALED8
+    weights = greedy_argmax.ArgmaxWeights.of(grid, order)
     assert weights is not None
     return weights
 
 
-def full_argmax(hidden: torch.Tensor, weights: cpu_argmax.ArgmaxWeights) -> np.ndarray:
-    logits = cpu_gemm.grid_linear(hidden.contiguous(), weights.grid, weights.order)
+def full_argmax(hidden: torch.Tensor, weights: greedy_argmax.ArgmaxWeights) -> np.ndarray:
+    logits = grid_gemm.grid_linear(hidden.contiguous(), weights.grid, weights.order)
     return logits.numpy().argmax(axis=1)
 
 
@@ -49,7 +49,7 @@ def test_the_token_is_the_argmax_of_the_full_logits(order, threads) -> None:
     weights = lm_head(scaled8_weight(VOCAB, HIDDEN, seed=1), order)
     hidden = hidden_states(70, seed=2)  # 11 passes of 6 rows and 4 rows left
     with torch_threads(threads):
-        tokens = cpu_argmax.lm_head_argmax(hidden, weights)
+        tokens = greedy_argmax.lm_head_argmax(hidden, weights)
     np.testing.assert_array_equal(tokens.numpy(), full_argmax(hidden, weights))
 
 
@@ -58,10 +58,10 @@ def test_a_scratch_kept_from_more_threads_gives_the_same_tokens() -> None:
     with more threads left in it is not read."""
     weights = lm_head(scaled8_weight(VOCAB, HIDDEN, seed=14), ORDERS[0])
     with torch_threads(3):
-        cpu_argmax.lm_head_argmax(hidden_states(8, seed=15) * 50, weights)
+        greedy_argmax.lm_head_argmax(hidden_states(8, seed=15) * 50, weights)
     hidden = hidden_states(8, seed=16)
     with torch_threads(1):
-        tokens = cpu_argmax.lm_head_argmax(hidden, weights)
+        tokens = greedy_argmax.lm_head_argmax(hidden, weights)
     np.testing.assert_array_equal(tokens.numpy(), full_argmax(hidden, weights))
 
 
@@ -76,7 +76,7 @@ def test_rows_close_to_an_output_pick_it_over_its_near_neighbours() -> None:
     between = (weight[pairs[0]] + weight[pairs[1]]) * 15
     hidden = torch.cat((near, between))
     np.testing.assert_array_equal(
-        cpu_argmax.lm_head_argmax(hidden, weights).numpy(), full_argmax(hidden, weights)
+        greedy_argmax.lm_head_argmax(hidden, weights).numpy(), full_argmax(hidden, weights)
     )
 
 
@@ -88,7 +88,7 @@ def test_equal_logits_give_the_first_output() -> None:
     weight[305] = weight[300]  # the same group of 64
     weights = lm_head(weight, ORDERS[1])
     hidden = torch.cat((weight[300:301] * 40, torch.zeros(1, HIDDEN)))
-    tokens = cpu_argmax.lm_head_argmax(hidden, weights).tolist()
+    tokens = greedy_argmax.lm_head_argmax(hidden, weights).tolist()
     assert tokens == [300, 0]
     assert tokens == full_argmax(hidden, weights).tolist()
 
@@ -98,7 +98,7 @@ def test_rows_that_are_not_finite_are_left_for_their_logits() -> None:
     hidden = hidden_states(4, seed=7)
     hidden[1, 5] = float("nan")
     hidden[2, 9] = float("inf")
-    tokens = cpu_argmax.lm_head_argmax(hidden, weights)
+    tokens = greedy_argmax.lm_head_argmax(hidden, weights)
     assert tokens[1] == tokens[2] == -1
     expected = full_argmax(hidden[[0, 3]], weights)
     assert tokens[[0, 3]].tolist() == expected.tolist()
@@ -111,27 +111,27 @@ def test_a_row_with_too_many_outputs_to_check_is_left_for_its_logits() -> None:
     hidden = hidden_states(3, seed=9)
     hidden[1] = 0
     workers = torch.get_num_threads()
-    scratch = cpu_argmax.Scratch.of(3, HIDDEN, VOCAB, workers, candidates=VOCAB - 1)
-    tokens = cpu_argmax.lm_head_argmax(hidden, weights, scratch)
+    scratch = greedy_argmax.Scratch.of(3, HIDDEN, VOCAB, workers, candidates=VOCAB - 1)
+    tokens = greedy_argmax.lm_head_argmax(hidden, weights, scratch)
     assert tokens[1] == -1
     assert tokens[[0, 2]].tolist() == full_argmax(hidden[[0, 2]], weights).tolist()
 
 
 def test_no_rows_give_no_tokens() -> None:
     weights = lm_head(scaled8_weight(VOCAB, HIDDEN, seed=10), ORDERS[0])
-    assert cpu_argmax.lm_head_argmax(torch.empty(0, HIDDEN), weights).shape == (0,)
+    assert greedy_argmax.lm_head_argmax(torch.empty(0, HIDDEN), weights).shape == (0,)
 
 
 def test_only_an_8_bit_grid_is_taken() -> None:
-    grid = cpu_gemm.to_grid(affine4_weight(VOCAB, HIDDEN))
+    grid = grid_gemm.to_grid(affine4_weight(VOCAB, HIDDEN))
     assert grid is not None
-    assert cpu_argmax.ArgmaxWeights.of(grid, ORDERS[0]) is None
+    assert greedy_argmax.ArgmaxWeights.of(grid, ORDERS[0]) is None
 
 
 def test_hidden_states_of_the_wrong_width_are_refused() -> None:
     weights = lm_head(scaled8_weight(VOCAB, HIDDEN, seed=11), ORDERS[0])
     with pytest.raises(ValueError, match=r"hidden must be \[S, 256\]"):
-        cpu_argmax.lm_head_argmax(torch.zeros(2, HIDDEN + 32), weights)
+        greedy_argmax.lm_head_argmax(torch.zeros(2, HIDDEN + 32), weights)
 
 
 def test_the_approximation_is_within_its_bound_of_every_logit() -> None:
@@ -141,8 +141,8 @@ def test_the_approximation_is_within_its_bound_of_every_logit() -> None:
     hidden = hidden_states(9, seed=13)
     rows = hidden.shape[0]
     workers = torch.get_num_threads()
-    scratch = cpu_argmax.Scratch.of(rows, HIDDEN, VOCAB, workers)
-    cpu_argmax.lm_head_argmax(hidden, weights, scratch)
+    scratch = greedy_argmax.Scratch.of(rows, HIDDEN, VOCAB, workers)
+    greedy_argmax.lm_head_argmax(hidden, weights, scratch)
     approx = scratch.approx.reshape(rows, VOCAB).astype(np.float64)
     exact = hidden.double().numpy() @ weights.grid.dense().double().numpy().T
     bound = scratch.errors.astype(np.float64) @ weights.bounds.astype(np.float64).T

@@ -1,20 +1,19 @@
-"""GEMMs from weights kept on their quantisation grid: the grid is found exactly, the
-order the library sums in is found, and the products carry the library's bits."""
+"""GEMMs from weights kept on their quantisation grid: the grid is found exactly, and
+every product carries the bits of its sum order (the one fixed order the executor uses),
+whatever the number of rows; the executor's GEMM objects compute x @ W.T (+ bias)."""
 
 from __future__ import annotations
-
-import time
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("numba", reason="the grid GEMM is compiled with numba")
 
 from threads import torch_threads
 
-from pagedinfer.kernels import cpu_gemm
-from pagedinfer.service.models.llama import MKLPacked, cpu_mkl_packing_available, mkl_linear
+from pagedinfer.kernels.cpu import gemms, grid_gemm
 
 
 def affine4_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
@@ -40,25 +39,77 @@ def scaled8_weight(out_features: int, in_features: int, seed: int = 0) -> torch.
     return torch.from_numpy(w.reshape(out_features, in_features))
 
 
+def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """fp32(a * b + c) rounded once, as a fused multiply-add gives it (fp32 arrays).
+
+    a * b is exact in fp64 (48 significant bits); the sum with c is taken exactly as a
+    rounded sum and its error (TwoSum), then rounded to odd in fp64: of the two doubles
+    around the exact value, the one with an odd last bit. With 53 >= 24 + 2 bits, the
+    one rounding of that to fp32 is the correct rounding of the exact value."""
+    p = a.astype(np.float64) * b.astype(np.float64)
+    c = c.astype(np.float64)
+    s = p + c
+    shifted = s - c
+    error = (p - shifted) + (c - (s - shifted))
+    even = (s.view(np.int64) & 1) == 0
+    towards = np.where(error > 0, np.inf, -np.inf)
+    s = np.where((error != 0) & even, np.nextafter(s, towards), s)
+    return s.astype(np.float32)
+
+
+def emulate(weight: torch.Tensor, x: torch.Tensor, order: grid_gemm.SumOrder) -> torch.Tensor:
+    """x @ weight.T summed in `order`, in numpy, every step rounded to fp32: each part one
+    chain from 0 over its inputs in K order (fused multiply-adds, or a rounded product
+    then a rounded add), then the parts added in order."""
+    w, xs = weight.numpy(), x.numpy()
+    total = np.zeros((xs.shape[0], w.shape[0]), dtype=np.float32)
+    start = 0
+    for end in order.ends:
+        acc = np.zeros_like(total)
+        for i in range(start, end):
+            xi, wi = xs[:, i, None], w[None, :, i]
+            acc = fma32(xi, wi, acc) if order.fused else acc + xi * wi
+        total = total + acc
+        start = end
+    return torch.from_numpy(total)
+
+
+def test_the_emulated_fma_rounds_once() -> None:
+    """Cases where rounding the product first, or the sum in fp64, gives other bits."""
+    x = 1 + 2.0**-12  # x * x = 1 + 2^-11 + 2^-24: a tie in fp32
+    a = np.array([x, x, 1], dtype=np.float32)
+    b = np.array([x, x, 2.0**-24], dtype=np.float32)
+    c = np.array([-(1 + 2.0**-11), 2.0**-60, 1], dtype=np.float32)
+    # The product's last bit, lost when it is rounded first; a tie broken by a tiny
+    # addend (up), which the sum in fp64 rounds away (the tie then goes to even); 1 plus
+    # half an ulp, a tie, to even.
+    expected = np.array([2.0**-24, 1 + 2.0**-11 + 2.0**-23, 1], dtype=np.float32)
+    assert np.array_equal(fma32(a, b, c), expected)
+    rounded_product = a * b + c
+    assert not np.array_equal(rounded_product[:2], expected[:2])
+    sum_in_fp64 = (a.astype(np.float64) * b + c).astype(np.float32)
+    assert sum_in_fp64[1] != expected[1]
+
+
 def test_the_4_bit_grid_is_found_and_holds_every_value() -> None:
     weight = affine4_weight(128, 576)
-    grid = cpu_gemm.to_grid(weight)
-    assert grid is not None and grid.kind == cpu_gemm.AFFINE4
+    grid = grid_gemm.to_grid(weight)
+    assert grid is not None and grid.kind == grid_gemm.AFFINE4
     assert torch.equal(grid.dense(), weight)
     assert grid.nbytes * 6 < weight.numel() * 4  # about 5 bits a weight in place of 32
 
 
 def test_the_8_bit_grid_is_found_and_holds_every_value() -> None:
     weight = scaled8_weight(192, 576)
-    grid = cpu_gemm.to_grid(weight)
-    assert grid is not None and grid.kind == cpu_gemm.SCALED8
+    grid = grid_gemm.to_grid(weight)
+    assert grid is not None and grid.kind == grid_gemm.SCALED8
     assert torch.equal(grid.dense(), weight)
 
 
 def test_a_transposed_view_is_read_as_the_weight_it_shows() -> None:
     weight = affine4_weight(64, 256, seed=4)
     stored = weight.t().contiguous()  # [in, out], as our Linear keeps it
-    grid = cpu_gemm.to_grid(stored.t())
+    grid = grid_gemm.to_grid(stored.t())
     assert grid is not None and torch.equal(grid.dense(), weight)
 
 
@@ -67,20 +118,17 @@ def test_weights_off_every_grid_have_none() -> None:
     nudged[5, 77] = torch.nextafter(nudged[5, 77], torch.tensor(1.0))
     with_nan = affine4_weight(64, 256)
     with_nan[0, 0] = float("nan")
-    assert cpu_gemm.to_grid(torch.randn(64, 256)) is None
-    assert cpu_gemm.to_grid(nudged) is None
-    assert cpu_gemm.to_grid(with_nan) is None
-    assert cpu_gemm.to_grid(affine4_weight(48, 256)) is None  # 3 tiles: not whole groups
-    assert cpu_gemm.to_grid(affine4_weight(64, 256).double()) is None
+    assert grid_gemm.to_grid(torch.randn(64, 256)) is None
+    assert grid_gemm.to_grid(nudged) is None
+    assert grid_gemm.to_grid(with_nan) is None
+    assert grid_gemm.to_grid(affine4_weight(48, 256)) is None  # 3 tiles: not whole groups
+    assert grid_gemm.to_grid(affine4_weight(64, 256).double()) is None
 
 
-needs_mkl = pytest.mark.skipif(
-    not cpu_mkl_packing_available(torch.device("cpu"), torch.float32),
-    reason="torch was built without MKL: nothing to match",
-)
+def test_the_fixed_order_is_one_fused_chain() -> None:
+    assert grid_gemm.fixed_order(576) == grid_gemm.SumOrder((576,), True)
 
 
-@needs_mkl
 @pytest.mark.parametrize(
     ("make", "shape"),
     [
@@ -91,68 +139,47 @@ needs_mkl = pytest.mark.skipif(
     ],
     ids=["qkv", "down", "small", "lm-head"],
 )
-def test_every_row_carries_the_bits_of_the_librarys_large_calls(make, shape) -> None:
-    """The grid sums in the order MKL takes for calls of more than GRID_MAX_ROWS rows on
-    this machine, so a row comes out the same in a call of any size (the library alone
-    sums small calls otherwise on some CPUs)."""
+def test_every_row_carries_the_bits_of_the_fixed_order_in_a_call_of_any_size(make, shape) -> None:
+    """A row's product is the same in a call of any size, one pass over the weight (up to
+    MAX_ROWS rows) or over tiles rebuilt into scratch (more), and those are the bits of
+    one fused chain over K; close to the exact product."""
     weight = make(*shape)
-    grid = cpu_gemm.to_grid(weight)
-    mkl = MKLPacked.of(weight)
-    order = cpu_gemm.library_order(grid, lambda x: mkl_linear(x, mkl, None))
-    assert order is not None
+    grid = grid_gemm.to_grid(weight)
+    assert grid is not None
+    order = grid_gemm.fixed_order(shape[1])
     generator = torch.Generator().manual_seed(1)
-    x = torch.randn(cpu_gemm.GRID_MAX_ROWS + 9, shape[1], generator=generator)
-    expected = mkl_linear(x, mkl, None)
-    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17, cpu_gemm.GRID_MAX_ROWS, len(x)):
-        assert torch.equal(cpu_gemm.grid_linear(x[-rows:], grid, order), expected[-rows:]), rows
+    x = torch.randn(grid_gemm.GRID_MAX_ROWS + 9, shape[1], generator=generator)
+    whole = grid_gemm.grid_linear(x, grid, order)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17, grid_gemm.GRID_MAX_ROWS):
+        assert torch.equal(grid_gemm.grid_linear(x[-rows:], grid, order), whole[-rows:]), rows
+    # The emulation of the first rows (a full pass of SCRATCH_ROWS) and the last 17.
+    checked = torch.cat((x[:7], x[-17:]))
+    expected = emulate(weight, checked, order)
+    assert torch.equal(torch.cat((whole[:7], whole[-17:])), expected)
+    exact = (checked.double() @ weight.double().t()).float()
+    torch.testing.assert_close(expected, exact, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize(
-    "order",
-    [
-        cpu_gemm.SumOrder((256,), False),
-        cpu_gemm.SumOrder((128, 256), True),
-        cpu_gemm.SumOrder((96, 192, 256), True),
-    ],
-    ids=["one-chain-unfused", "two-equal-parts", "parts-of-96"],
-)
-def test_the_order_of_a_library_is_found(order) -> None:
-    """Whatever order a library sums in (here the grid's own GEMM in a given order), the
-    order found gives its bits: so a CPU whose library sums otherwise still gets the grid."""
-    grid = cpu_gemm.to_grid(affine4_weight(64, 256, seed=3))
-    found = cpu_gemm.library_order(grid, lambda x: cpu_gemm.grid_linear(x, grid, order))
-    assert found == order
-    x = torch.randn(5, 256)
-    assert not torch.equal(
-        cpu_gemm.grid_linear(x, grid, order),
-        cpu_gemm.grid_linear(x, grid, cpu_gemm.SumOrder((32, 64, 256), order.fused)),
-    )
-
-
-def test_a_library_no_order_reproduces_gets_none() -> None:
-    weight = affine4_weight(64, 256, seed=5)
-    grid = cpu_gemm.to_grid(weight)
-    dense = weight.double()
-
-    def pairwise_in_fp64(x: torch.Tensor) -> torch.Tensor:
-        return (x.double() @ dense.t()).float()
-
-    assert cpu_gemm.library_order(grid, pairwise_in_fp64) is None
-
-
-def test_the_grid_serves_as_many_rows_as_it_is_faster_at() -> None:
-    grid = cpu_gemm.to_grid(affine4_weight(64, 256, seed=6))
-    order = cpu_gemm.SumOrder((256,), True)
-
-    def slow_library(x: torch.Tensor) -> torch.Tensor:
-        time.sleep(0.02)
-        return cpu_gemm.grid_linear(x, grid, order)
-
-    def instant_library(x: torch.Tensor) -> None:
-        return None
-
-    assert cpu_gemm.rows_faster([(grid, order, slow_library)]) == cpu_gemm.GRID_MAX_ROWS
-    assert cpu_gemm.rows_faster([(grid, order, instant_library)]) == cpu_gemm.MAX_ROWS
+def test_other_orders_give_other_bits() -> None:
+    """The kernels sum in the order they are given: a split into parts changes the bits of
+    some outputs (so the emulation above would see an order other than the fixed one)."""
+    weight = affine4_weight(64, 256, seed=3)
+    grid = grid_gemm.to_grid(weight)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(4))
+    orders = [
+        grid_gemm.SumOrder((256,), True),
+        grid_gemm.SumOrder((256,), False),
+        grid_gemm.SumOrder((128, 256), True),
+        grid_gemm.SumOrder((96, 192, 256), True),
+    ]
+    products = []
+    for order in orders:
+        product = grid_gemm.grid_linear(x, grid, order)
+        assert torch.equal(product, emulate(weight, x, order)), order
+        products.append(product)
+    for i in range(len(products)):
+        for j in range(i):
+            assert not torch.equal(products[i], products[j]), (orders[i], orders[j])
 
 
 # Row counts that take each way of sharing the work: four tiles at a time (up to
@@ -161,11 +188,11 @@ def test_the_grid_serves_as_many_rows_as_it_is_faster_at() -> None:
 # rows left over (1 to SCRATCH_ROWS - 1).
 SHARED_ROWS = (
     1,
-    cpu_gemm.WIDE_ROWS,
-    cpu_gemm.WIDE_ROWS + 1,
-    cpu_gemm.MAX_ROWS,
-    *range(cpu_gemm.MAX_ROWS + 1, cpu_gemm.MAX_ROWS + cpu_gemm.SCRATCH_ROWS + 1),
-    cpu_gemm.MAX_ROWS + 14,
+    grid_gemm.WIDE_ROWS,
+    grid_gemm.WIDE_ROWS + 1,
+    grid_gemm.MAX_ROWS,
+    *range(grid_gemm.MAX_ROWS + 1, grid_gemm.MAX_ROWS + grid_gemm.SCRATCH_ROWS + 1),
+    grid_gemm.MAX_ROWS + 14,
 )
 
 
@@ -175,67 +202,131 @@ def test_every_row_and_output_is_summed_once_however_the_workers_share_them(thre
     (up to MAX_ROWS) or past MAX_ROWS rows whole, and the groups left over shared among the
     workers by rows. Every output is x @ W.T in the order, added once into out."""
     weight = affine4_weight(576, 256, seed=7)
-    grid = cpu_gemm.to_grid(weight)
-    order = cpu_gemm.SumOrder((128, 256), True)
+    grid = grid_gemm.to_grid(weight)
+    order = grid_gemm.SumOrder((128, 256), True)
     generator = torch.Generator().manual_seed(2)
+    x = torch.randn(max(SHARED_ROWS), 256, generator=generator)
+    expected = emulate(weight, x, order)  # row by row: the same in any call
     with torch_threads(threads):
         for rows in SHARED_ROWS:
-            x = torch.randn(rows, 256, generator=generator)
-            expected = cpu_gemm._emulate(weight.numpy(), x.numpy(), [order.ends], order.fused)[0]
-            assert np.array_equal(cpu_gemm.grid_linear(x, grid, order).numpy(), expected), rows
+            assert torch.equal(grid_gemm.grid_linear(x[:rows], grid, order), expected[:rows])
             out = torch.ones(rows, 576)
-            cpu_gemm.grid_linear(x, grid, order, out, add=True)
-            assert torch.equal(out, torch.from_numpy(expected) + 1), rows
+            grid_gemm.grid_linear(x[:rows], grid, order, out, add=True)
+            assert torch.equal(out, expected[:rows] + 1), rows
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_the_gate_up_gemm_gives_silu_mul_of_its_product(threads) -> None:
     """A [gate | up] weight of 2 x 288 outputs (nine groups of two gate tiles and the same
-    two of up): with silu, each group's product goes through `cpu_layer.silu_times` and
+    two of up): with silu, each group's product goes through `layer_ops.silu_times` and
     out gets what `silu_mul` makes of the whole product, bit for bit, for every row count
     and however the workers share the groups."""
-    from pagedinfer.kernels import cpu_layer
-    from pagedinfer.kernels.cpu_numba import Job, run_jobs
+    from pagedinfer.kernels.cpu import layer_ops
+    from pagedinfer.kernels.cpu.numba_support import Job, run_jobs
 
     weight = affine4_weight(576, 256, seed=11)
-    grid = cpu_gemm.to_grid(weight)
-    order = cpu_gemm.SumOrder((128, 256), True)
-    gemm = cpu_gemm.gemm_all_rows(grid.kind, 256, order.ends, order.fused, silu=True)
+    grid = grid_gemm.to_grid(weight)
+    order = grid_gemm.SumOrder((128, 256), True)
+    gemm = grid_gemm.gemm_all_rows(grid.kind, 256, order.ends, order.fused, silu=True)
     generator = torch.Generator().manual_seed(3)
     with torch_threads(threads):
         for rows in SHARED_ROWS:
             x = torch.randn(rows, 256, generator=generator) * 4  # SiLU's both sides
-            expected = cpu_layer.silu_mul(cpu_gemm.grid_linear(x, grid, order))
+            expected = layer_ops.silu_mul(grid_gemm.grid_linear(x, grid, order))
             out = np.full((rows, 288 // 16, 16), np.nan, dtype=np.float32)
             run_jobs([Job(gemm, (x.numpy(), grid.codes, grid.scales, out, False), 18)])
             assert np.array_equal(out.reshape(rows, 288), expected.numpy()), rows
 
 
-@needs_mkl
-def test_adding_into_out_rounds_as_an_inplace_add() -> None:
+@pytest.mark.parametrize("rows", [3, grid_gemm.MAX_ROWS + 31], ids=["one-pass", "scratch"])
+def test_adding_into_out_rounds_as_an_inplace_add(rows: int) -> None:
+    """out += the product, rounded once more: as `residual += x @ W.T` gives it, in one
+    pass over the weight and over tiles rebuilt into scratch."""
     weight = affine4_weight(576, 576, seed=2)
-    grid, mkl = cpu_gemm.to_grid(weight), MKLPacked.of(weight)
-    order = cpu_gemm.library_order(grid, lambda x: mkl_linear(x, mkl, None))
-    x, residual = torch.randn(cpu_gemm.GRID_MAX_ROWS + 1, 576), torch.randn(3, 576)
-    expected = residual.clone()
-    expected += mkl_linear(x, mkl, None)[:3]
-    out = residual.clone()
-    cpu_gemm.grid_linear(x[:3].contiguous(), grid, order, out, add=True)
-    assert torch.equal(out, expected)
-    # More rows than one pass takes: the tiles rebuilt once, every row run over them.
-    residual = torch.randn(len(x), 576)
-    expected = residual.clone()
-    expected += mkl_linear(x, mkl, None)
-    cpu_gemm.grid_linear(x, grid, order, residual, add=True)
+    grid = grid_gemm.to_grid(weight)
+    order = grid_gemm.fixed_order(576)
+    generator = torch.Generator().manual_seed(5)
+    x, residual = torch.randn(rows, 576, generator=generator), torch.randn(rows, 576)
+    expected = residual + emulate(weight, x, order)
+    grid_gemm.grid_linear(x, grid, order, residual, add=True)
     assert torch.equal(residual, expected)
 
 
 def test_an_input_of_the_wrong_shape_is_refused() -> None:
-    grid = cpu_gemm.to_grid(affine4_weight(64, 256))
-    order = cpu_gemm.SumOrder((256,), True)
+    grid = grid_gemm.to_grid(affine4_weight(64, 256))
+    order = grid_gemm.SumOrder((256,), True)
     with pytest.raises(ValueError, match=r"contiguous \[M, 256\]"):
-        cpu_gemm.grid_linear(torch.randn(2, 128), grid, order)
+        grid_gemm.grid_linear(torch.randn(2, 128), grid, order)
     with pytest.raises(ValueError, match="add needs out"):
-        cpu_gemm.grid_linear(torch.randn(2, 256), grid, order, add=True)
+        grid_gemm.grid_linear(torch.randn(2, 256), grid, order, add=True)
     with pytest.raises(ValueError, match=r"out must be contiguous \[2, 64\]"):
-        cpu_gemm.grid_linear(torch.randn(2, 256), grid, order, torch.empty(64, 2).t(), add=True)
+        grid_gemm.grid_linear(torch.randn(2, 256), grid, order, torch.empty(64, 2).t(), add=True)
+
+
+def test_the_grid_gemm_object_adds_into_any_output() -> None:
+    """`gemms.GridGemm`: the grid's product in its order, added in place into a
+    contiguous output or into a strided view (through a temporary)."""
+    weight = affine4_weight(64, 256, seed=8)
+    gemm = gemms.GridGemm(grid_gemm.to_grid(weight), grid_gemm.fixed_order(256))
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(6))[:, ::2]  # strided
+    expected = emulate(weight, x.contiguous(), grid_gemm.fixed_order(256))
+    assert gemm.out_features == 64
+    assert torch.equal(gemm(x), expected)
+    base = torch.randn(9, 128)
+    out, strided = base.clone(), base.clone()[:, ::2]
+    gemm.add_into(out[:, :64], x)  # a view with rows 128 apart: not contiguous
+    strided_before = strided.clone()
+    gemm.add_into(strided, x)
+    assert torch.equal(out[:, :64], base[:, :64] + expected)
+    assert torch.equal(out[:, 64:], base[:, 64:])
+    assert torch.equal(strided, strided_before + expected)
+    contiguous = base[:, :64].contiguous()
+    gemm.add_into(contiguous, x)
+    assert torch.equal(contiguous, base[:, :64] + expected)
+
+
+needs_mkl = pytest.mark.skipif(
+    not gemms.mkl_fp32_available(torch.float32), reason="torch was built without MKL"
+)
+
+
+@needs_mkl
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_an_mkl_packed_weight_serves_every_batch_size(bias: bool) -> None:
+    """One packed weight, from a [in, out] tensor's transposed view as the model keeps it,
+    gives x @ W.T (+ b) below, at and above the batch its layout was tuned for."""
+    generator = torch.Generator().manual_seed(7)
+    stored = torch.randn(256, 96, generator=generator)  # [in, out]
+    b = torch.randn(96, generator=generator) if bias else None
+    gemm = gemms.MklGemm.of(stored.t(), b)
+    assert gemm.out_features == 96
+    for rows in (1, 5, gemms.MKL_BATCH_HINT, gemms.MKL_BATCH_HINT + 37):
+        x = torch.randn(rows, 256, generator=generator)
+        expected = F.linear(x.double(), stored.t().double(), None if b is None else b.double())
+        torch.testing.assert_close(gemm(x), expected.float(), rtol=1e-5, atol=1e-4)
+        out = torch.ones(rows, 96)
+        gemm.add_into(out, x)
+        torch.testing.assert_close(out, expected.float() + 1, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(
+    not gemms.onednn_bf16_available(torch.bfloat16), reason="no native bf16 matmul on this CPU"
+)
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_a_onednn_packed_bf16_weight_serves_every_batch_size(bias: bool) -> None:
+    """The bf16 weight in oneDNN's layout gives the bf16 product torch's own linear gives
+    (the same bf16 inputs, fp32 sums: within bf16's rounding of the output)."""
+    generator = torch.Generator().manual_seed(8)
+    weight = torch.randn(96, 256, generator=generator).bfloat16()
+    b = torch.randn(96, generator=generator).bfloat16() if bias else None
+    gemm = gemms.OneDnnGemm.of(weight, b)
+    assert gemm.out_features == 96
+    for rows in (1, 5, gemms.ONEDNN_BATCH_HINT, gemms.ONEDNN_BATCH_HINT + 37):
+        x = torch.randn(rows, 256, generator=generator).bfloat16()
+        expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        product = gemm(x)
+        assert product.dtype == torch.bfloat16
+        torch.testing.assert_close(product.double(), expected, rtol=1e-2, atol=5e-2)
+        out = torch.zeros(rows, 96, dtype=torch.bfloat16)
+        gemm.add_into(out, x)
+        assert torch.equal(out, product)

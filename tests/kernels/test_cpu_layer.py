@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedinfer.kernels import cpu_layer, torch_ops
+from pagedinfer.kernels import torch_ops
+from pagedinfer.kernels.cpu import layer_ops
 from pagedinfer.service.models.llama import apply_rotary
 
 
@@ -24,14 +25,14 @@ def test_rms_norm_matches_the_definition(tokens: int, hidden: int) -> None:
     x = torch.randn(tokens, hidden, generator=gen) * 3
     x[0] *= 1e3  # a row of large values: no overflow in the sum of squares
     weight = torch.rand(hidden, generator=gen) + 0.5
-    out = cpu_layer.rms_norm(x, weight, 1e-5)
+    out = layer_ops.rms_norm(x, weight, 1e-5)
     torch.testing.assert_close(out, reference_rms_norm(x, weight, 1e-5), rtol=1e-5, atol=1e-6)
 
 
 def test_rms_norm_of_a_strided_input_reads_its_rows() -> None:
     x = torch.randn(4, 2 * 32)[:, ::2]  # every other column
     weight = torch.ones(32)
-    out = cpu_layer.rms_norm(x, weight, 1e-6)
+    out = layer_ops.rms_norm(x, weight, 1e-6)
     torch.testing.assert_close(out, reference_rms_norm(x, weight, 1e-6), rtol=1e-5, atol=1e-6)
 
 
@@ -44,14 +45,14 @@ def test_silu_mul_matches_torch_over_the_whole_range() -> None:
     )
     up = torch.randn(gate.shape[0], generator=torch.Generator().manual_seed(0))
     gate_up = torch.cat([gate, up]).view(1, -1).repeat(3, 1)
-    out = cpu_layer.silu_mul(gate_up)
+    out = layer_ops.silu_mul(gate_up)
     expected = (F.silu(gate.double()) * up.double()).float().expand(3, -1)
     torch.testing.assert_close(out, expected, rtol=2e-6, atol=1e-30)
 
 
 def test_silu_mul_propagates_nan() -> None:
     gate_up = torch.tensor([[float("nan"), 1.0, 1.0, float("nan")]])
-    out = cpu_layer.silu_mul(gate_up)
+    out = layer_ops.silu_mul(gate_up)
     assert torch.isnan(out).tolist() == [[True, True]]
 
 
@@ -87,7 +88,7 @@ def test_rope_write_kv_does_what_rotary_and_write_kv_do(
     expected_k.view(rows, -1)[slots[keep]] = key[keep]
     expected_v.view(rows, -1)[slots[keep]] = value[keep]
 
-    cpu_layer.rope_write_kv(qkv, cos_sin, slots, k_cache, v_cache, num_heads)
+    layer_ops.rope_write_kv(qkv, cos_sin, slots, k_cache, v_cache, num_heads)
     torch.testing.assert_close(qkv, expected_qkv, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k_cache, expected_k, rtol=1e-5, atol=1e-5, equal_nan=True)
     torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0, equal_nan=True)
@@ -99,23 +100,23 @@ def test_rope_write_kv_does_what_rotary_and_write_kv_do(
 def test_rope_write_kv_refuses_a_slot_past_the_cache() -> None:
     qkv, cos_sin, k_cache, v_cache = make_rope_batch(2, 2, 1, 8)
     with pytest.raises(ValueError, match="slot_mapping: slot 32 of token 1"):
-        cpu_layer.rope_write_kv(qkv, cos_sin, torch.tensor([0, 32]), k_cache, v_cache, 2)
+        layer_ops.rope_write_kv(qkv, cos_sin, torch.tensor([0, 32]), k_cache, v_cache, 2)
 
 
 def test_rope_write_kv_refuses_a_strided_cache() -> None:
     qkv, cos_sin, k_cache, _ = make_rope_batch(2, 2, 2, 8)
     strided = k_cache.transpose(1, 2)
     with pytest.raises(ValueError, match="must be contiguous"):
-        cpu_layer.rope_write_kv(qkv, cos_sin, torch.tensor([0, 1]), strided, strided, 2)
+        layer_ops.rope_write_kv(qkv, cos_sin, torch.tensor([0, 1]), strided, strided, 2)
 
 
 def test_only_fp32_cpu_tensors_outside_autograd_are_served(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     x = torch.randn(2, 8)
-    assert cpu_layer.supports(x, x)
-    assert not cpu_layer.supports(x, x.bfloat16())
-    assert not cpu_layer.supports(x.clone().requires_grad_())
+    assert layer_ops.supports(x, x)
+    assert not layer_ops.supports(x, x.bfloat16())
+    assert not layer_ops.supports(x.clone().requires_grad_())
     monkeypatch.delenv("PAGEDINFER_CPU_KERNELS", raising=False)
     assert torch_ops.compiled_kernels()
     monkeypatch.setenv("PAGEDINFER_CPU_KERNELS", "torch")
