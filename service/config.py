@@ -16,8 +16,9 @@ class EngineConfig:
     """Settings of one engine instance.
 
     The KV cache is sized either by `num_gpu_blocks` (exact) or by `kv_cache_memory`
-    (bytes; the model runner divides it by the size of one block). On CUDA, when both
-    are unset, `gpu_memory_utilization` of the free device memory is used.
+    (bytes; the model runner divides it by the size of one block). When both are unset,
+    CUDA uses `gpu_memory_utilization` of the free device memory, and the CPU what the
+    container's memory limit leaves once the model is loaded (`service/memory.py`).
     """
 
     model: str | None = None  # None = the embedded default model
@@ -25,7 +26,7 @@ class EngineConfig:
     device: str = "auto"  # auto = cuda when available, else cpu
     block_size: int = 16
     num_gpu_blocks: int | None = None
-    kv_cache_memory: int = 2 * 1024**3
+    kv_cache_memory: int | None = None  # None = sized from the memory limit
     gpu_memory_utilization: float = 0.85
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 512
@@ -48,7 +49,8 @@ class EngineConfig:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_model_len", self.max_model_len)
-        _positive("kv_cache_memory", self.kv_cache_memory)
+        if self.kv_cache_memory is not None:
+            _positive("kv_cache_memory", self.kv_cache_memory)
         if self.num_gpu_blocks is not None:
             _positive("num_gpu_blocks", self.num_gpu_blocks)
         if self.num_threads is not None:
@@ -144,7 +146,8 @@ def add_engine_arguments(parser) -> None:
         "--kv-cache-memory",
         type=_byte_size_flag,
         default=d.kv_cache_memory,
-        help="KV cache budget on CPU, e.g. 2GiB",
+        help="KV cache budget on CPU, e.g. 2GiB (default: what the container's memory "
+        "limit leaves after the model, with 10%% headroom)",
     )
     g.add_argument(
         "--gpu-memory-utilization",

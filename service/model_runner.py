@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedinfer.service import memory
 from pagedinfer.service.config import EngineConfig
 from pagedinfer.service.loader import LoadedModel
-from pagedinfer.service.models.llama import AttentionMetadata
+from pagedinfer.service.models.llama import AttentionMetadata, ModelConfig
 from pagedinfer.service.request import Request
 from pagedinfer.service.sampler import argmax_only
 from pagedinfer.service.scheduler import SchedulerOutput
@@ -43,13 +44,32 @@ def kv_block_bytes(loaded: LoadedModel, block_size: int, dtype: torch.dtype) -> 
     return per_token * block_size
 
 
-def num_kv_blocks(config: EngineConfig, block_bytes: int, device: torch.device) -> int:
-    """How many blocks the KV budget buys: exact, a byte budget on CPU, free memory on CUDA."""
+def num_kv_blocks(
+    config: EngineConfig, block_bytes: int, device: torch.device, model: ModelConfig
+) -> int:
+    """How many blocks the KV budget buys: exact, a byte budget or what the memory limit
+    leaves on CPU (`memory.plan_kv_cache`), free memory on CUDA."""
     if config.num_gpu_blocks is not None:
         return config.num_gpu_blocks
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * config.gpu_memory_utilization)
+    elif config.kv_cache_memory is None:
+        # The cache's element size, the model's dtype: block_bytes = 2 * layers * block
+        # tokens * kv heads * head_dim of them.
+        elements = 2 * model.num_layers * config.block_size * model.num_kv_heads * model.head_dim
+        itemsize = block_bytes // elements
+        memory.release_free_heap()
+        plan = memory.plan_kv_cache(
+            memory.read_host_memory(),
+            resident=memory.resident_bytes(),
+            activations=memory.activation_bytes(model, config, itemsize),
+            block_bytes=block_bytes,
+            num_layers=model.num_layers,
+            min_blocks=config.max_num_seqs,
+        )
+        log.info(plan.reason)
+        return plan.num_blocks
     else:
         budget = config.kv_cache_memory
     blocks = budget // block_bytes
@@ -69,7 +89,7 @@ class ModelRunner:
         self.block_size = config.block_size
         cfg = loaded.config
         self.num_blocks = num_kv_blocks(
-            config, kv_block_bytes(loaded, config.block_size, self.dtype), device
+            config, kv_block_bytes(loaded, config.block_size, self.dtype), device, cfg
         )
         shape = (self.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeros, not empty: the kernels mask unwritten slots, but a clean cache keeps

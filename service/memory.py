@@ -1,0 +1,250 @@
+"""Sizing the CPU KV cache from the memory the server may use, as vLLM sizes it on a GPU.
+
+Without `--kv-cache-memory`, the KV cache gets what the container's memory limit leaves
+once the model is loaded: the limit (cgroup v2 `memory.max`/`memory.high`, else v1
+`memory.limit_in_bytes`), less a headroom share of it, less what the process already
+holds (interpreter, libraries, tokenizer, weights in every form the backend keeps them),
+less what serving still allocates (one step's activations and logits, the torch
+attention path's gathered context, request state and compile transients). Without a
+limit it takes a share of the host's available memory, capped: a laptop's memory is
+shared with everything else on it.
+
+The decisions are pure functions of the numbers (`plan_kv_cache`, `activation_bytes`),
+so they are table-tested; `read_host_memory` and `resident_bytes` are the only readers
+of /proc and /sys, with their roots injectable.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedinfer.service.config import EngineConfig
+    from pagedinfer.service.models.llama import ModelConfig
+
+MiB = 2**20
+GiB = 2**30
+# Where the cgroup filesystem is mounted; the environment variable moves it (a
+# container with cgroupfs elsewhere, or a test with a fake limit file).
+CGROUP_ROOT_ENV = "PAGEDINFER_CGROUP_ROOT"
+DEFAULT_CGROUP_ROOT = Path("/sys/fs/cgroup")
+# Share of the limit left unused: allocator fragmentation, page cache the kernel charges
+# to the container, and the estimates' error.
+HEADROOM = 0.10
+# Without a limit: this share of the memory available once the model is loaded, at most
+# NO_LIMIT_KV_CAP.
+NO_LIMIT_SHARE = 0.5
+NO_LIMIT_KV_CAP = 512 * MiB
+# What serving allocates beyond one step's tensors: gRPC and telemetry buffers,
+# per-request state, kernels compiled after start, malloc arenas of the worker threads.
+SERVING_ALLOWANCE = 128 * MiB
+# Logits-sized tensors a sampling step holds at once: the logits, their penalised copy,
+# the scaled and masked rows, probabilities, and top-p's sort (values and int64 indices,
+# three logits' worth). A batch of rows sampled with penalties and top-p peaks at ten.
+LOGITS_COPIES = 10
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """What the process may use: the container's limit (None = none found) and the
+    host's available memory, both in bytes."""
+
+    limit: int | None
+    source: str  # the file the limit came from, or why there is none
+    available: int  # MemAvailable
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    """The KV cache budget chosen and the numbers it came from (bytes)."""
+
+    budget: int
+    num_blocks: int
+    reason: str  # one line for the log
+
+
+def activation_bytes(model: ModelConfig, config: EngineConfig, itemsize: int) -> int:
+    """Peak bytes of the tensors one engine step allocates beyond weights and KV cache.
+
+    A step of `max_num_batched_tokens` rows holds the residual stream, the normed input,
+    q/k/v, the attention output and the MLP's gate, up and activated rows at once; the
+    rows that need logits (at most one per running sequence and draft token) hold
+    `LOGITS_COPIES` fp32 rows of the vocabulary while sampling.
+    """
+    tokens = config.max_num_batched_tokens
+    q_size = model.num_heads * model.head_dim
+    kv_size = model.num_kv_heads * model.head_dim
+    per_token = 3 * model.hidden_size + 2 * q_size + 2 * kv_size + 3 * model.intermediate_size
+    logit_rows = min(tokens, config.max_num_seqs * (1 + config.num_speculative_tokens))
+    return tokens * per_token * itemsize + logit_rows * model.vocab_size * 4 * LOGITS_COPIES
+
+
+def plan_kv_cache(
+    host: HostMemory,
+    resident: int,
+    activations: int,
+    block_bytes: int,
+    num_layers: int,
+    min_blocks: int,
+) -> KVCachePlan:
+    """The KV budget the memory leaves once the model is resident.
+
+    With a limit: (1 - HEADROOM) of it (or of resident + available, when the host has
+    less), less `resident`, `activations` and `SERVING_ALLOWANCE`. Without one:
+    NO_LIMIT_SHARE of `available` less the same allowances, at most NO_LIMIT_KV_CAP.
+    The torch attention path gathers a layer's context into scratch of up to twice one
+    layer's share of the cache, so the budget is what remains divided by
+    (1 + 2 / num_layers). Raises ValueError when fewer than `min_blocks` blocks fit.
+    """
+    mib = _mib
+    serving = activations + SERVING_ALLOWANCE
+    if host.limit is not None:
+        usable = min(host.limit, resident + host.available)
+        headroom = int(usable * HEADROOM)
+        left = usable - headroom - resident - serving
+        bound = (
+            f"the memory limit {mib(host.limit)} ({host.source})"
+            if usable == host.limit
+            else f"the host's available memory {mib(resident + host.available)} "
+            f"(below the limit {mib(host.limit)} of {host.source})"
+        )
+        terms = f"minus headroom {HEADROOM:.0%} ({mib(headroom)})"
+    else:
+        usable = int(host.available * NO_LIMIT_SHARE)
+        left = usable - serving
+        bound = (
+            f"{NO_LIMIT_SHARE:.0%} of the available memory {mib(host.available)} ({host.source})"
+        )
+        terms = f"capped at {mib(NO_LIMIT_KV_CAP)}"
+    budget = max(0, int(left / (1 + 2 / num_layers)))
+    if host.limit is None:
+        budget = min(budget, NO_LIMIT_KV_CAP)
+    blocks = budget // block_bytes
+    reason = (
+        f"KV cache budget {mib(budget)} from {bound}: the process holds {mib(resident)}, "
+        f"one step's activations and logits take {mib(activations)}, serving "
+        f"{mib(SERVING_ALLOWANCE)}, the attention scratch 2/{num_layers} of the cache, "
+        f"{terms}"
+    )
+    if blocks < min_blocks:
+        raise ValueError(
+            f"{bound} cannot hold the model and one KV block per sequence: {reason}; "
+            f"{min_blocks} blocks of {mib(block_bytes)} (max_num_seqs) need "
+            f"{mib(min_blocks * block_bytes)}. Raise the memory limit, lower "
+            "--max-num-seqs, or set --kv-cache-memory"
+        )
+    return KVCachePlan(budget=budget, num_blocks=blocks, reason=reason)
+
+
+def parse_limit(text: str, total: int) -> int | None:
+    """A cgroup limit file's content -> bytes, or None for no limit ("max", or a value at
+    or above the machine's total memory, as cgroup v1 writes "unlimited")."""
+    value = text.strip()
+    if value == "max":
+        return None
+    try:
+        limit = int(value)
+    except ValueError:
+        raise ValueError(f"not a cgroup memory limit: {value!r}") from None
+    return None if limit >= total else limit
+
+
+def cgroup_paths(proc_self_cgroup: str) -> tuple[str | None, str | None]:
+    """(cgroup v2 path, cgroup v1 memory controller path) of /proc/self/cgroup's lines
+    `hierarchy-id:controllers:path`; None where that hierarchy is absent."""
+    v2 = v1 = None
+    for line in proc_self_cgroup.splitlines():
+        parts = line.strip().split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":
+            v2 = path
+        elif "memory" in controllers.split(","):
+            v1 = path
+    return v2, v1
+
+
+def meminfo_bytes(meminfo: str, key: str) -> int:
+    """One `Key: N kB` field of /proc/meminfo, in bytes."""
+    for line in meminfo.splitlines():
+        name, _, value = line.partition(":")
+        if name == key:
+            return int(value.split()[0]) * 1024
+    raise ValueError(f"/proc/meminfo has no {key} field")
+
+
+def read_host_memory(
+    proc_root: Path = Path("/proc"), cgroup_root: Path | None = None
+) -> HostMemory:
+    """The memory limit of this process's cgroup and the host's available memory.
+
+    The limit is the smallest one set on the process's cgroup or any cgroup above it
+    (cgroup v2 `memory.max` and `memory.high`, else v1 `memory.limit_in_bytes`). A
+    container whose own cgroup is mounted as the root (no cgroup namespace) finds its
+    path missing under the mount: then the mount's root files are its own.
+    """
+    if cgroup_root is None:
+        cgroup_root = Path(os.environ.get(CGROUP_ROOT_ENV) or DEFAULT_CGROUP_ROOT)
+    meminfo = (proc_root / "meminfo").read_text()
+    total, available = meminfo_bytes(meminfo, "MemTotal"), meminfo_bytes(meminfo, "MemAvailable")
+    try:
+        v2, v1 = cgroup_paths((proc_root / "self" / "cgroup").read_text())
+    except OSError:
+        v2 = v1 = None
+    for path, mount, names in (
+        (v2, cgroup_root, ("memory.max", "memory.high")),
+        (v1, cgroup_root / "memory", ("memory.limit_in_bytes",)),
+    ):
+        if path is None:
+            continue
+        found = _smallest_limit(mount, path, names, total)
+        if found is not None:
+            return HostMemory(limit=found[0], source=str(found[1]), available=available)
+    return HostMemory(limit=None, source="no cgroup memory limit", available=available)
+
+
+def _smallest_limit(
+    mount: Path, path: str, names: tuple[str, ...], total: int
+) -> tuple[int, Path] | None:
+    own = mount / path.lstrip("/")
+    directory = own if own.is_dir() else mount
+    best: tuple[int, Path] | None = None
+    while True:
+        for name in names:
+            file = directory / name
+            if file.is_file():
+                limit = parse_limit(file.read_text(), total)
+                if limit is not None and (best is None or limit < best[0]):
+                    best = (limit, file)
+        if directory == mount or mount not in directory.parents:
+            return best
+        directory = directory.parent
+
+
+def release_free_heap() -> None:
+    """Hand the heap pages malloc holds free back to the kernel (glibc's malloc_trim),
+    so that the resident set counts what the process uses: a model load frees hundreds
+    of MiB of staging buffers that would otherwise stay resident and unused."""
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim(0)
+
+
+def resident_bytes(proc_root: Path = Path("/proc")) -> int:
+    """This process's resident set (VmRSS), in bytes."""
+    for line in (proc_root / "self" / "status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise ValueError(f"{proc_root}/self/status has no VmRSS line")
+
+
+def _mib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.0f} MiB"

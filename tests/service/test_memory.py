@@ -1,0 +1,204 @@
+"""KV cache sizing from the memory limit: the rule as a table, and the readers of /proc
+and the cgroup filesystem over fake trees."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pagedinfer.service import memory
+from pagedinfer.service.config import EngineConfig
+from pagedinfer.service.memory import GiB, HostMemory, MiB
+from pagedinfer.service.models.llama import ModelConfig
+
+BLOCK = 720 * 1024  # one 16-token block of the embedded model in fp32
+LAYERS = 30
+
+
+def smollm2() -> ModelConfig:
+    return ModelConfig(
+        architecture="llama", vocab_size=49152, hidden_size=576, num_layers=LAYERS,
+        num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536,
+        rms_norm_eps=1e-5, rope_theta=1e5, rope_scaling=None, tie_word_embeddings=True,
+        attention_bias=False, max_position_embeddings=8192,
+    )  # fmt: skip
+
+
+def limited(limit: int, available: int = 64 * GiB) -> HostMemory:
+    return HostMemory(limit=limit, source="memory.max", available=available)
+
+
+def expected_with_limit(usable: int, resident: int, activations: int) -> int:
+    left = usable - int(usable * memory.HEADROOM) - resident - activations
+    return int((left - memory.SERVING_ALLOWANCE) / (1 + 2 / LAYERS))
+
+
+@pytest.mark.parametrize(
+    ("limit", "resident", "activations"),
+    [
+        (2 * GiB, 700 * MiB, 100 * MiB),
+        (6 * GiB, 1200 * MiB, 100 * MiB),
+        (16 * GiB, 3 * GiB, 400 * MiB),
+    ],
+)
+def test_the_budget_is_the_limit_less_headroom_footprint_and_scratch(limit, resident, activations):
+    plan = memory.plan_kv_cache(limited(limit), resident, activations, BLOCK, LAYERS, 256)
+    assert plan.budget == expected_with_limit(limit, resident, activations)
+    assert plan.num_blocks == plan.budget // BLOCK
+    # What the process may end up holding stays inside the limit, headroom spare.
+    peak = resident + activations + memory.SERVING_ALLOWANCE + plan.budget * (1 + 2 / LAYERS)
+    assert peak <= limit * (1 - memory.HEADROOM)
+
+
+def test_a_host_with_less_available_than_the_limit_bounds_the_budget():
+    host = limited(16 * GiB, available=3 * GiB)
+    plan = memory.plan_kv_cache(host, 1 * GiB, 100 * MiB, BLOCK, LAYERS, 256)
+    assert plan.budget == expected_with_limit(4 * GiB, 1 * GiB, 100 * MiB)
+    assert "available memory 4.00 GiB" in plan.reason
+
+
+def test_the_log_line_names_every_term():
+    plan = memory.plan_kv_cache(limited(2 * GiB), 700 * MiB, 100 * MiB, BLOCK, LAYERS, 256)
+    for text in ("2.00 GiB (memory.max)", "holds 700 MiB", "take 100 MiB", "headroom 10%"):
+        assert text in plan.reason
+    assert plan.reason.startswith(f"KV cache budget {plan.budget // MiB} MiB")
+
+
+@pytest.mark.parametrize(
+    ("available", "budget"),
+    [
+        (64 * GiB, memory.NO_LIMIT_KV_CAP),  # plenty: the cap
+        (
+            1 * GiB,
+            int((GiB // 2 - 100 * MiB - memory.SERVING_ALLOWANCE) / (1 + 2 / LAYERS)),
+        ),  # a share of what is available
+    ],
+)
+def test_without_a_limit_a_share_of_the_available_memory_capped(available, budget):
+    host = HostMemory(limit=None, source="no cgroup memory limit", available=available)
+    plan = memory.plan_kv_cache(host, 700 * MiB, 100 * MiB, BLOCK, LAYERS, 16)
+    assert plan.budget == budget
+
+
+def test_a_limit_that_cannot_hold_the_model_and_a_block_per_sequence_is_refused():
+    with pytest.raises(ValueError) as err:
+        memory.plan_kv_cache(limited(1 * GiB), 900 * MiB, 100 * MiB, BLOCK, LAYERS, 256)
+    message = str(err.value)
+    assert "cannot hold the model and one KV block per sequence" in message
+    assert "1.00 GiB (memory.max)" in message and "--max-num-seqs" in message
+    # Fewer sequences fit where 256 do not.
+    plan = memory.plan_kv_cache(limited(1400 * MiB), 900 * MiB, 100 * MiB, BLOCK, LAYERS, 16)
+    assert plan.num_blocks >= 16
+    with pytest.raises(ValueError, match="one KV block per sequence"):
+        memory.plan_kv_cache(limited(1400 * MiB), 900 * MiB, 100 * MiB, BLOCK, LAYERS, 256)
+
+
+def test_activations_grow_with_the_step_and_the_logit_rows():
+    model = smollm2()
+    small = memory.activation_bytes(model, EngineConfig(max_num_batched_tokens=64), 4)
+    default = memory.activation_bytes(model, EngineConfig(), 4)
+    per_token = (3 * 576 + 2 * 576 + 2 * 192 + 3 * 1536) * 4
+    logits_row = 49152 * 4 * memory.LOGITS_COPIES
+    assert default == 512 * per_token + 256 * logits_row  # 256 sequences' rows
+    assert small == 64 * per_token + 64 * logits_row  # no more rows than tokens
+    drafts = EngineConfig(max_num_seqs=16, num_speculative_tokens=4)
+    assert memory.activation_bytes(model, drafts, 4) == 512 * per_token + 80 * logits_row
+
+
+@pytest.mark.parametrize(
+    ("text", "limit"),
+    [
+        ("max\n", None),
+        ("2147483648\n", 2 * GiB),
+        ("9223372036854771712\n", None),  # cgroup v1's "unlimited"
+        (f"{64 * GiB}\n", None),  # no less than the machine's memory: no limit
+    ],
+)
+def test_limit_files_parse(text, limit):
+    assert memory.parse_limit(text, total=64 * GiB) == limit
+
+
+def test_a_garbled_limit_file_is_named():
+    with pytest.raises(ValueError, match="not a cgroup memory limit: 'lots'"):
+        memory.parse_limit("lots", total=GiB)
+
+
+def test_cgroup_paths_of_v2_hybrid_and_v1_hosts():
+    assert memory.cgroup_paths("0::/kubepods/pod1/c1\n") == ("/kubepods/pod1/c1", None)
+    hybrid = "4:memory:/docker/abc\n1:cpu,cpuacct:/docker/abc\n0::/docker/abc\n"
+    assert memory.cgroup_paths(hybrid) == ("/docker/abc", "/docker/abc")
+    assert memory.cgroup_paths("5:cpuset:/\n3:memory,kmem:/x\n") == (None, "/x")
+
+
+def fake_proc(root: Path, cgroup: str, total: int = 64 * GiB, available: int = 60 * GiB) -> Path:
+    proc = root / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "cgroup").write_text(cgroup)
+    (proc / "meminfo").write_text(
+        f"MemTotal: {total // 1024} kB\nMemFree: 1 kB\nMemAvailable: {available // 1024} kB\n"
+    )
+    (proc / "self" / "status").write_text("Name:\tpython\nVmHWM:\t 2048 kB\nVmRSS:\t 1024 kB\n")
+    return proc
+
+
+def write(path: Path, text: str) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    for name_value in text.split(";"):
+        name, value = name_value.split("=")
+        (path / name).write_text(value + "\n")
+
+
+def test_v2_the_smallest_limit_of_the_cgroup_and_its_parents(tmp_path):
+    proc = fake_proc(tmp_path, "0::/kubepods/pod1/c1\n")
+    cg = tmp_path / "cgroup"
+    write(cg / "kubepods", f"memory.max={8 * GiB}")
+    write(cg / "kubepods/pod1", f"memory.max={3 * GiB}")
+    write(cg / "kubepods/pod1/c1", f"memory.max=max;memory.high={2 * GiB + 1}")
+    host = memory.read_host_memory(proc, cg)
+    assert host == HostMemory(2 * GiB + 1, str(cg / "kubepods/pod1/c1/memory.high"), 60 * GiB)
+
+
+def test_v2_inside_a_cgroup_namespace_reads_the_mount_root(tmp_path):
+    proc = fake_proc(tmp_path, "0::/\n")
+    cg = tmp_path / "cgroup"
+    write(cg, f"memory.max={2 * GiB}")
+    assert memory.read_host_memory(proc, cg).limit == 2 * GiB
+
+
+def test_v2_a_path_missing_under_the_mount_means_the_root_is_our_cgroup(tmp_path):
+    proc = fake_proc(tmp_path, "0::/system.slice/docker-abc.scope\n")
+    cg = tmp_path / "cgroup"
+    write(cg, f"memory.max={GiB}")
+    assert memory.read_host_memory(proc, cg).limit == GiB
+
+
+def test_v1_limit_in_bytes_with_unlimited_parents(tmp_path):
+    proc = fake_proc(tmp_path, "4:memory:/docker/abc\n0::/docker/abc\n")
+    cg = tmp_path / "cgroup"
+    write(cg / "memory", "memory.limit_in_bytes=9223372036854771712")
+    write(cg / "memory/docker/abc", f"memory.limit_in_bytes={6 * GiB}")
+    host = memory.read_host_memory(proc, cg)
+    assert host.limit == 6 * GiB
+    assert host.source.endswith("memory/docker/abc/memory.limit_in_bytes")
+
+
+def test_no_limit_anywhere(tmp_path):
+    proc = fake_proc(tmp_path, "4:memory:/\n0::/\n", available=5 * GiB)
+    cg = tmp_path / "cgroup"
+    write(cg, "memory.max=max")
+    write(cg / "memory", "memory.limit_in_bytes=9223372036854771712")
+    assert memory.read_host_memory(proc, cg) == HostMemory(None, "no cgroup memory limit", 5 * GiB)
+
+
+def test_the_cgroup_root_comes_from_the_environment(tmp_path, monkeypatch):
+    proc = fake_proc(tmp_path, "0::/\n")
+    write(tmp_path / "elsewhere", f"memory.max={3 * GiB}")
+    monkeypatch.setenv(memory.CGROUP_ROOT_ENV, str(tmp_path / "elsewhere"))
+    assert memory.read_host_memory(proc).limit == 3 * GiB
+
+
+def test_resident_bytes_reads_vmrss(tmp_path):
+    proc = fake_proc(tmp_path, "0::/\n")
+    assert memory.resident_bytes(proc) == 1024 * 1024
+    assert memory.resident_bytes() > 10 * MiB  # this interpreter, for real
