@@ -30,11 +30,12 @@ its results as it goes, so one stopped at the end of its box keeps what it finis
 The GPU host needs nothing installed and nothing from a network: Python >= 3.11 with
 torch, triton, numpy, transformers, tokenizers, safetensors, tqdm and pytest (the usual
 PyTorch image has them all; matplotlib, if there, draws kernels_gpu's plot). The rest of
-pyproject's dependencies are not imported: numba (the CPU kernels), kopf,
-kubernetes_asyncio, the OpenTelemetry packages and prometheus_client (control plane and
-metrics), grpcio and protobuf (the server), gguf (the embedded model). pagedinfer is
-imported from this checkout through a folder of links that maps the import names to the
-folders as pyproject's package-dir does, so no pip install is needed either.
+pyproject's dependencies are never imported (`NOT_NEEDED`, which the dry run makes
+unimportable): numba (the CPU kernels), kopf, kubernetes_asyncio, the OpenTelemetry
+packages and prometheus_client (control plane and metrics), grpcio and protobuf (the
+server), gguf and accelerate (the embedded model's conversion), scipy (the CPU floors).
+pagedinfer is imported from this checkout through a folder of links that maps the import
+names to the folders as pyproject's package-dir does, so no pip install is needed either.
 """
 
 from __future__ import annotations
@@ -78,18 +79,20 @@ REQUIRED_MODULES = (
     "pytest",
 )
 OPTIONAL_MODULES = ("matplotlib",)
-# Dependencies of the package that the run never imports (distribution names).
-NOT_NEEDED = (
-    "numba",
-    "kopf",
-    "kubernetes_asyncio",
-    "opentelemetry-sdk",
-    "prometheus-client",
-    "grpcio",
-    "protobuf",
-    "gguf",
-    "accelerate",
-)
+# Dependencies (distribution: module) that the run never imports; the dry run makes them
+# unimportable, as they may be on a GPU host.
+NOT_NEEDED = {
+    "numba": "numba",
+    "kopf": "kopf",
+    "kubernetes_asyncio": "kubernetes_asyncio",
+    "opentelemetry-sdk": "opentelemetry",
+    "prometheus-client": "prometheus_client",
+    "grpcio": "grpc",
+    "protobuf": "google.protobuf",
+    "gguf": "gguf",
+    "accelerate": "accelerate",
+    "scipy": "scipy",
+}
 # Relative tolerance of the kernels against the float64 reference, per dtype: bf16 rounds
 # the attention weights to 8 bits before they multiply V.
 KERNEL_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
@@ -222,51 +225,55 @@ class Plan:
     budgets: dict[str, float] = field(default_factory=dict)
 
 
-def mixed_cases(
-    long_context: int, mixed: tuple[tuple[int, ...], tuple[int, ...]], grid: list[tuple]
+def kernel_cases(
+    decodes: tuple[int, ...],
+    long_kv_heads: int,
+    mixed: tuple[tuple[int, ...], tuple[int, ...]],
+    mixed_kv_heads: int,
+    grid: list[tuple[int, int, int, str]],
 ) -> tuple[KernelCase, ...]:
-    """The long-context cases, then the mixed batch at each (group, head_dim, block, dtype)."""
-    kv = 8 if long_context > 4096 else 1
-    # Few (sequence, KV head) pairs for the GPU's multiprocessors: the split-KV path.
-    decodes = (long_context,) if kv == 1 else (long_context, long_context // 2 + 3)
+    """Long contexts first: a decode batch of `decodes` contexts (few enough sequences to
+    take the split-KV path), a prefill chunk after a prefix hit as long as the longest,
+    and a fp32 decode; then the `mixed` batch at each (GQA group, head_dim, block, dtype)."""
+    longest = max(decodes)
+    k = longest // 1024
     cases = [
         KernelCase(
-            f"decode {long_context // 1024}k split-KV",
-            4 * kv,
-            kv,
+            f"decode {k}k split-KV",
+            4 * long_kv_heads,
+            long_kv_heads,
             128,
             16,
             decodes,
             (1,) * len(decodes),
         ),
         KernelCase(
-            f"prefill chunk after a {long_context // 1024}k prefix hit",
-            4 * kv,
-            kv,
+            f"prefill chunk after a {k}k prefix hit",
+            4 * long_kv_heads,
+            long_kv_heads,
             128,
             16,
-            (long_context,),
-            (64,),
+            (longest,),
+            (32,),
         ),
         KernelCase(
-            f"decode {long_context // 1024}k fp32",
-            8 * kv,
-            kv,
+            f"decode {k}k fp32",
+            8 * long_kv_heads,
+            long_kv_heads,
             64,
             32,
-            (long_context,),
+            (longest,),
             (1,),
             "float32",
         ),
     ]
     seq_lens, query_lens = mixed
     for group, head_dim, block_size, dtype in grid:
-        num_kv = 4 if long_context > 4096 else 1
         cases.append(
             KernelCase(
                 f"mixed gqa{group} d{head_dim} b{block_size} {dtype}",
-                group * num_kv,
-                num_kv,
+                group * mixed_kv_heads,
+                mixed_kv_heads,
                 head_dim,
                 block_size,
                 seq_lens,
@@ -297,7 +304,8 @@ GPU_PLAN = Plan(
     dry_run=False,
     device="cuda",
     kernel_tests_filter="triton or split or public_api or test_validation",
-    kernel_cases=mixed_cases(32768, GPU_MIXED, GPU_GRID),
+    # Llama-3-8B's attention at 32k contexts (32 heads over 8 KV heads), 4 KV heads mixed.
+    kernel_cases=kernel_cases((32768, 16387), 8, GPU_MIXED, 4, GPU_GRID),
     models=(SMOLLM2_135M, LLAMA_32_1B),
     prompt_lens=(1, 7, 16, 31, 100, 257, 600, 1000),
     new_tokens=32,
@@ -315,15 +323,16 @@ GPU_PLAN = Plan(
         "kernel_tests": 90,
         "kernel_cases": 60,
         "engine": 150,
-        "bandwidth": 45,
-        "throughput": 120,
+        "bandwidth": 50,
+        "throughput": 110,
     },
 )
 DRY_PLAN = Plan(
     dry_run=True,
     device="cpu",
     kernel_tests_filter="triton and (group3 or strided_key)",
-    kernel_cases=mixed_cases(1024, DRY_MIXED, DRY_GRID),
+    # The interpreter counts one multiprocessor: one sequence over one KV head splits.
+    kernel_cases=kernel_cases((1024,), 1, DRY_MIXED, 1, DRY_GRID),
     models=(TOY_SMOLLM2, TOY_LLAMA_1B),
     prompt_lens=(1, 5, 17, 40),
     new_tokens=8,
@@ -443,6 +452,10 @@ def device_info(plan: Plan) -> dict[str, Any]:
     shim = os.environ.get("GPU_CHECK_SHIM")
     linked = shim is not None and Path(pagedinfer.service.__file__).is_relative_to(shim)
     info["pagedinfer_from"] = "links" if linked else "installed"
+    # The modules this process holds as not installed (the dry run's sitecustomize).
+    info["made_absent"] = [
+        m for m in NOT_NEEDED.values() if m in sys.modules and not sys.modules[m]
+    ]
     return info
 
 
@@ -1002,9 +1015,13 @@ SECTIONS = (
 )
 
 
-def make_import_shim(root: Path) -> Path:
+def make_import_shim(root: Path, absent: tuple[str, ...] = ()) -> Path:
     """A folder holding `pagedinfer/<part>` links to this checkout's folders, as
-    pyproject's package-dir maps them: on sys.path it imports pagedinfer uninstalled."""
+    pyproject's package-dir maps them: on sys.path it imports pagedinfer uninstalled.
+
+    absent: modules that a `sitecustomize` there makes unimportable in every process
+    started with the folder on PYTHONPATH (`importlib.util.find_spec` reports them absent).
+    """
     setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     package = root / "pagedinfer"  # a namespace package: no __init__.py
     package.mkdir(parents=True)
@@ -1013,6 +1030,13 @@ def make_import_shim(root: Path) -> Path:
         if top != "pagedinfer" or "." in part:
             raise ValueError(f"pyproject package-dir: unexpected entry {name!r}")
         (package / part).symlink_to(REPO / folder, target_is_directory=True)
+    if absent:
+        (root / "sitecustomize.py").write_text(
+            '"""gpu_check: these modules count as not installed."""\n\n'
+            "import sys\n\n"
+            f"for name in {list(absent)!r}:\n"
+            "    sys.modules[name] = None\n"
+        )
     return root
 
 
@@ -1029,7 +1053,7 @@ def host_packages() -> dict[str, Any]:
         "required": {m: version(m) for m in REQUIRED_MODULES},
         "missing": [m for m in REQUIRED_MODULES if importlib.util.find_spec(m) is None],
         "optional": {m: version(m) for m in OPTIONAL_MODULES},
-        "not_needed_present": {m: version(m) is not None for m in NOT_NEEDED},
+        "not_needed_present": {d: version(d) is not None for d in NOT_NEEDED},
     }
 
 
@@ -1132,7 +1156,9 @@ def drive(outdir: Path, plan: Plan, only: list[str] | None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="gpu_check-"))
     try:
-        shim = make_import_shim(work / "shim")
+        absent = tuple(NOT_NEEDED.values()) if plan.dry_run else ()
+        report["host"]["made_absent"] = list(absent)
+        shim = make_import_shim(work / "shim", absent)
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(
