@@ -1,9 +1,12 @@
-"""Paged-attention ops: Triton kernels on GPU, a vectorised torch path on CPU (whose fp32
-new tokens run in numba-compiled kernels where numba is installed: `paged_decode`, and
-`paged_verify` for runs of new tokens of one sequence: a draft and the decode it
-verifies, or a prompt).
-`layer_ops` holds the other compiled CPU kernels: the small ops between a layer's GEMMs,
-which the model calls directly.
+"""Paged-attention ops: Triton kernels on GPU, a vectorised torch path on CPU. `write_kv`
+and `paged_attention` are the contract every backend matches: the model's torch forward
+runs on them.
+
+The CPU backend (`kernels.cpu`, behind `kernels.cpu.prepare`) runs a whole forward pass
+with faster parts. Where a call's attention plan allows it (the backend's plans do), the
+torch path of `paged_attention` hands fp32 new tokens to numba-compiled kernels
+(`cpu.paged_decode`, `cpu.paged_verify`), which the backend's fused step also calls
+directly.
 
 KV cache per layer: `k_cache`, `v_cache`, each `[num_blocks, block_size, num_kv_heads,
 head_dim]`. The slot of context position p of a sequence is

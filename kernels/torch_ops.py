@@ -17,13 +17,15 @@ arithmetic runs in bf16 when query and cache are bf16 and the CPU has native bf1
 (AMX or AVX512-BF16: SDPA accumulates in fp32 there), otherwise in fp32 (fp16, and bf16
 elsewhere, are slow on CPU); the output takes query's dtype.
 
-Decodes over an fp32 cache skip the gather where numba is installed: the compiled kernel
-of `paged_decode` reads their K/V in place, once. So do sequences with a few new tokens (a
-decode verifying a speculative draft): `paged_verify` takes runs of their tokens, reading
-each block once for a whole run, and `paged_decode` the rest, a row per token; both give a
-token the same bits, and one dispatch to the threads runs both. PAGEDINFER_CPU_KERNELS=torch
-keeps them on the gather path. Longer prefills always take it: they are compute-bound,
-and SDPA's blocked kernel is the better one there.
+Where the caller allows it (a plan made with compiled=True: the CPU executor's, or the
+one made for a call without a plan) and numba is installed, decodes over an fp32 cache
+skip the gather: the compiled kernel of `paged_decode` reads their K/V in place, once.
+So do sequences of more new tokens (a decode verifying a draft, a prompt):
+`paged_verify` takes runs of their tokens, reading each block once for a whole run, and
+`paged_decode` the rest, a row per token; both give a token the same bits, and one
+dispatch to the threads runs both. Where the verify kernel does not take the shapes,
+only sequences of up to COMPILED_MAX_QUERY new tokens go to `paged_decode`, and longer
+prefills stay on SDPA. PAGEDINFER_CPU_KERNELS=torch keeps everything on the gather path.
 
 The bookkeeping (groups, gather indices, padding, masks) depends only on the batch, not
 on the layer: `plan_attention` computes it once, and a model passes the plan to every
@@ -128,17 +130,16 @@ class AttentionPlan:
 
 
 # Where the verify kernel takes runs of new tokens, every sequence goes to the compiled
-# kernels, prompts too: whole steps ran faster than with SDPA over gathered K/V at every
-# size measured (SmolLM2, fp32, 2 threads, AMD EPYC): 512 prompt tokens 1.15-1.22x, a
-# 512-token chunk after 1,536 and 3,584 tokens of context 1.14x, 100 tokens after 1,900
-# 1.47x. Without it, a row per token is no faster than SDPA, so only sequences with up
-# to this many new tokens go there: a decode verifying the longest draft (16 tokens).
+# kernels, prompts too: reading each K/V block once per run beat SDPA over gathered K/V
+# at every prompt size tried. Without it, a row per token is no faster than SDPA, so only
+# sequences with up to this many new tokens go there: a decode verifying the longest
+# draft (16 tokens).
 COMPILED_MAX_QUERY = 17
 
 
 def compiled_kernels() -> bool:
-    """Whether the numba-compiled CPU kernels (`paged_decode`, `layer_ops`) are in use:
-    numba is installed and PAGEDINFER_CPU_KERNELS is not `torch` (the opt-out)."""
+    """Whether the numba-compiled CPU kernels (`kernels.cpu`) may run: numba is installed
+    and PAGEDINFER_CPU_KERNELS is not `torch` (the opt-out)."""
     return os.environ.get("PAGEDINFER_CPU_KERNELS", "compiled") != "torch" and _numba_installed()
 
 
@@ -222,9 +223,7 @@ def plan_attention(
     decodes = runs = None
     if compiled:
         # The compiled kernels' share in numpy: a few dozen small ops, each a fraction of
-        # a torch call's cost. A plan of 1-32 decodes took 258 us with torch ops, 42 with
-        # these; inside an engine serving one request, 0.44 and 0.15 ms a step (its data
-        # and code cold after the step before).
+        # a torch call's cost, which matters in a step of a few tokens.
         starts_np = query_start_loc.numpy().astype(np.int64)
         lens_np = seq_lens.numpy().astype(np.int64)
         tables_np = block_tables.numpy()
@@ -474,12 +473,10 @@ def _run_compiled(
         run_jobs(jobs)
 
 
-# A group has a fixed cost (a dozen small ops and one SDPA launch, about 70 us per layer)
-# and each padded context slot a small one (gathered, zeroed and attended to). A decode
-# joins the current group while its padding stays within this many slots. Measured on
-# SmolLM2's KV shapes, fp32 and bf16, 2 threads, 4-64 decodes with contexts spread over
-# 100-450 tokens: 128 was fastest, 0.5-0.75x the time of one group per sequence and
-# 0.75-0.95x that of a single padded group.
+# A group has a fixed cost (a dozen small ops and one SDPA launch per layer) and each
+# padded context slot a small one (gathered, zeroed and attended to). A decode joins the
+# current group while its padding stays within this many slots: the value that beat both
+# one group per sequence and a single padded group on decodes of spread-out contexts.
 DECODE_PAD_SLOTS = 128
 
 

@@ -2,12 +2,12 @@
 fp32): every step whose GEMMs the grid serves (`FusedWeights.max_tokens`).
 
 A decode step of one to a few tokens spends most of its time outside arithmetic: the
-GEMMs read 538 MB of fp32 weights to do a few MFLOP each, and between them some ten
-Python calls per layer each cost their dispatch, with the caches cold after every GEMM.
-Here the step runs as one call on the worker threads:
+GEMMs read every weight to do little with each, and between them some ten Python calls
+per layer each cost their dispatch, with the caches cold after every GEMM. Here the step
+runs as one call on the worker threads:
 
-- the GEMMs read the weights from their quantisation grid (`grid_gemm`: 98 MB in place
-  of 538 for SmolLM2), each worker a share of the output tiles;
+- the GEMMs read the weights from their quantisation grid (`grid_gemm`: 5 or 9 bits a
+  weight in place of 32), each worker a share of the output tiles;
 - attention runs the same compiled kernels as a step through Python (`paged_decode`,
   `paged_verify`), each worker a share of the sequences;
 - the small ops (`layer_ops`'s RMSNorm, rotary and K/V write) work row by row, each
@@ -15,9 +15,10 @@ Here the step runs as one call on the worker threads:
   (`grid_gemm`, silu), so the product is never written and read back;
 - between phases the workers wait at a spinning barrier (microseconds), not for Python.
 
-Every operation is the one the step through Python does, in the same order, with the
-same rounding (`grid_gemm` sums in the library's order): logits come out bit for bit the same,
-which keeps speculative decoding exact whichever path a step takes.
+Every operation is the one the executor's step layer by layer does, in the same order,
+with the same rounding (both paths sum every grid GEMM in one fixed order,
+`grid_gemm.fixed_order`): logits come out bit for bit the same, which keeps speculative
+decoding exact whichever path a step takes.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class FusedWeights:
     final_norm: np.ndarray  # fp32 [hidden]
     eps: float
     kinds: tuple[str, str, str, str, str]  # q/k/v, o, gate/up, down, LM head
-    orders: tuple[grid_gemm.SumOrder, ...]  # each GEMM's, as `grid_gemm.library_order`
+    orders: tuple[grid_gemm.SumOrder, ...]  # each GEMM's (`grid_gemm.fixed_order`)
     # The most new tokens a step may have here: its GEMMs all take the grid, which serves
     # calls of up to `grid_gemm.GRID_MAX_ROWS` rows.
     max_tokens: int
@@ -100,9 +101,9 @@ class FusedWeights:
         eps: float,
         argmax: greedy_argmax.ArgmaxWeights | None = None,
     ) -> FusedWeights | None:
-        """From each layer's four grids (q/k/v, o, gate/up, down) and the library's order
-        for each GEMM (the four and the LM head); None where one GEMM's grids differ in
-        kind or shape across layers."""
+        """From each layer's four grids (q/k/v, o, gate/up, down) and the order each GEMM
+        sums in (the four and the LM head); None where one GEMM's grids differ in kind or
+        shape across layers."""
         kinds, codes, scales = [], [], []
         for position in zip(*layers, strict=True):
             first = position[0]
@@ -161,9 +162,8 @@ def cache_arrays(
     kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], known: CacheArrays | None = None
 ) -> CacheArrays:
     """Views of these caches: `known` where it views these very tensors, else new ones.
-    A model keeps them from step to step: making SmolLM2's 60 views takes 41 us in a loop
-    of its own and took about 0.14 ms of a step in an engine (its data and code cold after
-    the step before); checking that `known` still fits takes 2 us."""
+    The executor keeps them from step to step: checking that `known` still fits costs far
+    less than making a view of every layer's caches each step."""
     if (
         known is not None
         and len(known.caches) == len(kv_caches)
@@ -202,8 +202,8 @@ def fused_forward(
     `torch_ops.AttentionPlan` with compiled decodes and no padded groups. profile: None,
     or int64 [workers or more, len(PHASES), 2], to which each worker adds the cycles
     (`numba_support.cycle_counter`) it spent in each phase, working and then waiting for the
-    others (a kernel compiled with the counters; without them it is the same code as
-    before they were added). arrays: `cache_arrays(kv_caches)`, made here when not given.
+    others (a kernel compiled with the counters; without profile, one without them).
+    arrays: `cache_arrays(kv_caches)`, made here when not given.
     Raises ValueError for a slot past the cache's end."""
     tokens = hidden.shape[0]
     qkv_width = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim

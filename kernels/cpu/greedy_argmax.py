@@ -2,22 +2,22 @@
 token a greedy row samples, bit for bit the one the full fp32 logits give.
 
 Greedy decoding needs one number from the LM head: which of its outputs is largest. With
-SmolLM2's 49,152 outputs the LM head is a fifth of a decode token's FLOPs. Here it runs
+a large vocabulary the LM head is a large share of a decode token's work. Here it runs
 in three phases over rows of final-normed hidden states:
 
 1. `quantize`: each block of 32 inputs of a row becomes 8-bit codes with a scale
    s = max |h| / 127, and the norm of what that rounding left out is kept per block.
 2. `approximate`: every logit from the 8-bit codes of the LM head's own grid (an 8-bit
    grid, as GGUF's Q8_0: w = d * q per block of 32 inputs), each block summed exactly in
-   32-bit integers (AVX-512 VNNI: 64 byte products per instruction, twice fp32's
-   rate on an AMD EPYC), then scaled by d * s.
+   32-bit integers (AVX-512 VNNI: 64 byte products per instruction, where an fp32 FMA
+   does 16), then scaled by d * s.
 3. `pick`: a logit differs from its approximation by at most the bound
    sum_b |d_b| ||q_b|| ||e_b|| (Cauchy-Schwarz per block, e the rounding left out) plus
    a margin for fp32 rounding. Only outputs whose approximation lies within the bounds
-   of the best one can be the argmax (on the benchmark's rows: 4 on average, 161 at
-   most, of 49,152). Those are computed exactly, with the grid GEMM that computes the
-   full logits (`grid_gemm.gemm_kernel`, one row, its group of 64 outputs), and the
-   first largest wins, as numpy's argmax picks.
+   of the best one can be the argmax (typically a handful). Those are computed exactly,
+   with the grid GEMM that computes the full logits (`grid_gemm.gemm_kernel`, one row,
+   its group of 64 outputs), in the same order, and the first largest wins, as numpy's
+   argmax picks.
 
 A row whose hidden state is not finite, or has more than CANDIDATES outputs to check,
 is not picked here (token -1): its logits must be computed in full.
@@ -55,19 +55,15 @@ LANES = grid_gemm.LANES
 BLOCK = grid_gemm.GRID_BLOCK
 # Whether this CPU multiplies bytes into 32-bit sums in one instruction (AVX-512 VNNI).
 # Without it the approximation runs on plain integer vector code: correct, but no faster
-# than the full LM head, so a model does not use it (`fast`).
+# than the full LM head, so the CPU executor does not use it (`fast`).
 VNNI = bool(llvm.get_host_cpu_features().get("avx512vnni", False))
 # Rows per pass over a group of tiles, and tiles per group (the tiles left over past whole
-# groups go one at a time). SmolLM2's LM head on an AMD EPYC, 2 workers, the variants
-# alternating in one process: 6 rows x 3 tiles took 4.2 ms at 24 rows against 4.7 for
-# 6 x 2, and 2.5 against 2.7 at 12; at 48 rows 6 x 3 ran at 234 G byte products a second,
-# 8 x 2 at 222, 6 x 2 at 198-202, 10 x 2 at 179 and 12 x 2 at 106 (6 x 4 no faster than
-# 6 x 2 at 36 rows). In the engine, the benchmark workload's decode steps took 0.288 and
-# 0.273 s in this phase against 0.297 and 0.295 with 6 x 2 (two profiled turns each).
+# groups go one at a time): the shape that ran fastest of those tried, each pass keeping
+# ROWS x TILES vectors of 32-bit sums.
 ROWS = 6
 TILES = 3
-# The most outputs a row may have to bound before its logits are computed in full (on the
-# benchmark's rows at most 11,477 passed the first, loose test; 161 the second).
+# The most outputs a row may have to bound before its logits are computed in full: well
+# above what the first, loose test lets through for real rows.
 CANDIDATES = 16384
 _HUGE = np.float32(1e18)  # a row with a larger value is left for its logits: no overflow
 # The fp32 rounding of the exact logits (at most K * 2^-24 of sum |w h|, 3.4e-5 for
@@ -195,7 +191,7 @@ class Scratch:
 
 class ScratchPool:
     """One growing scratch per thread, reused from step to step: a fresh one of a few MB
-    each step cost some 1.4 ms in page faults at 37 rows."""
+    would pay for its page faults in every step."""
 
     def __init__(self, hidden: int, vocab: int) -> None:
         self.hidden, self.vocab = hidden, vocab

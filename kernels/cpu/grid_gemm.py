@@ -141,7 +141,7 @@ def to_grid(weight: torch.Tensor) -> GridWeight | None:
     if not shape_supported(n, k):
         return None
     # The grid runs along in_features: read [in, out] rows, each a run of out_features
-    # (a copy where the weight is stored [out, in]: 3x faster than reading it strided).
+    # (a copy where the weight is stored [out, in]: cheaper than reading it strided).
     w = weight.detach().t().contiguous().numpy()
     for kind in (AFFINE4, SCALED8):
         affine = kind == AFFINE4
@@ -457,12 +457,9 @@ def gemm_all_rows(
             one_pass(m, x, 0, codes, scales, out, 0, tiles, add, worker, workers)
             return
         # Tasks: whole groups, while they divide evenly among the workers; each group left
-        # over goes to every worker, each taking its share of the row blocks (SmolLM2's o
-        # and down GEMMs have 9 groups: on 2 workers 5 against 4 whole ones). On an AMD
-        # EPYC, 2 workers, 30 layers' GEMMs in one call (as the fused step runs them) took
-        # 19.7 against 20.2 ms at 16 rows, 34.9 against 36.1 at 32, 65.7 against 67.9 at
-        # 64. Called one at a time, the split lost at 64 rows: the first worker starts
-        # some 60 us before the other, which the extra group made up for.
+        # over goes to every worker, each taking its share of the row blocks, so that no
+        # worker waits while another does an extra group (9 groups on 2 workers: 4 whole
+        # ones each, the ninth split by rows).
         groups = tiles // TILE_GROUP
         whole = groups - groups % workers
         w = stack_array((TILE_GROUP, k, LANES))

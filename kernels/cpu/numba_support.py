@@ -1,8 +1,8 @@
 """What the numba-compiled CPU kernels share: the jit decorator, fast-math flags, an exp,
 a prefetch hint, stack arrays, exact whole-vector lane ops, and the worker threads.
 
-Importing this module imports numba; the kernels' modules are imported only where numba
-is installed (`torch_ops.compiled_kernels`).
+Importing this module imports numba; the kernel modules that use it are imported only
+where numba is installed (the CPU executor's and `torch_ops`' compiled paths).
 
 LLVM vectorises simple loops by itself, but not a register-blocked kernel: given a loop
 nest that accumulates a few rows of 16 floats over a long loop, it vectorises the long
@@ -72,7 +72,7 @@ def jit(**options: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
             # variant of one function in one index, numbering their files as it saves
             # them: processes compiling different variants at once (a test and the server
             # it started) could give two variants one number, and a later process then
-            # loaded one variant's code for the other (a crash, seen in the tests).
+            # loaded one variant's code for the other (a crash).
             function.__qualname__ = f"{function.__qualname__}.{identity[-16:]}"
         try:
             dispatcher = numba.njit(cache=True, **options)(function)
@@ -106,10 +106,9 @@ def _stable_identity(function: Callable[..., Any]) -> str | None:
 
     numba keys a closure's disk cache on its pickled closure values, and a dispatcher
     pickles with an id drawn at random per process: a kernel that calls a helper made by
-    the same factory missed the cache in every process and compiled again (the verify
-    kernel: 3 s at the first step of each process). From the function's name and its
-    closure's plain values (and the helpers' ids, themselves stable), the pickle is
-    the same in every process and the cache hits.
+    the same factory would miss the cache in every process and compile again. From the
+    function's name and its closure's plain values (and the helpers' ids, themselves
+    stable), the pickle is the same in every process and the cache hits.
     """
     parts = [function.__module__, function.__qualname__]
     for cell in function.__closure__ or ():
@@ -209,9 +208,8 @@ def attention_job(
 def run_jobs(jobs: Sequence[Job]) -> None:
     """Run the jobs' tasks on the caller and pool threads: a worker per torch thread (at
     most one per task of the largest job), each doing its share of every job in turn, so
-    that one dispatch to the threads (some 60 us on 2 threads) serves them all. The
-    kernels release the GIL; sorting each job's tasks by work, largest first, gives the
-    workers similar shares.
+    that one dispatch to the threads serves them all. The kernels release the GIL;
+    sorting each job's tasks by work, largest first, gives the workers similar shares.
     """
     jobs = [job for job in jobs if job.num_tasks]
     if not jobs:
@@ -361,7 +359,7 @@ def lanes_fma(typingctx: Any, y: Any, x: Any, a: Any, width: Any) -> Any:
 @intrinsic
 def lanes_mul_add(typingctx: Any, y: Any, x: Any, a: Any, width: Any) -> Any:
     """y[:width] = x[:width] * a + y[:width], the product rounded, then the sum (a: lanes
-    or a scalar): what a library that does not fuse them computes."""
+    or a scalar): the unfused chain of a `grid_gemm.SumOrder` (fused=False)."""
     return _lane_op(
         (y, x, a, width), lambda b, y, x, a: b.fadd(b.fmul(x, a, flags=EXACT), y, flags=EXACT)
     )
@@ -536,9 +534,7 @@ def snake_task(turn: int, worker: int, workers: int) -> int:
     workers - 1 to 0, and so on (the task may be past the last one: none that turn).
 
     Dealt round-robin, the first worker gets the largest task of every round, and that
-    adds up: in the decode steps of the benchmark's speculative run, on 2 workers, its
-    share of the attention took 16% longer than the other's, which waited. In a snake
-    each round makes up for the last."""
+    adds up while the others wait for it; in a snake each round makes up for the last."""
     if turn % 2 == 0:
         return turn * workers + worker
     return turn * workers + workers - 1 - worker

@@ -8,38 +8,25 @@ length are read: stale slots of its last block, which may hold another request's
 never enter the sums.
 
 One kernel is compiled per (block size, heads, KV heads, head dim): with those fixed,
-LLVM unrolls and vectorises the head-dim loops. Compiling takes a few seconds on first
-use; the result is cached on disk where the package directory (or NUMBA_CACHE_DIR) is
-writable. The kernel releases the GIL: the decodes, which the caller sorts by length,
-are dealt in a snake (`numba_support.snake_task`) to as many threads as torch uses, so each
-gets a similar share.
+LLVM unrolls and vectorises the head-dim loops. It is cached on disk (`numba_support.jit`).
+The kernel releases the GIL: the decodes, which the caller sorts by length, are dealt in
+a snake (`numba_support.snake_task`) to as many threads as torch uses, so each gets a
+similar share.
 
 Blocks lie anywhere in memory, so the hardware prefetcher loses the stream at every block
 boundary: while the kernel computes on one block it asks for the next block's rows
-(`numba_support.prefetch`). On SmolLM2's shapes (32 decodes of 40-300 tokens, 30 layers, K/V
-from memory) that took one thread from 199 to 152 ns per context position and layer,
-two threads from 118 to 94; with K/V already in cache it costs nothing (111 and 119 ns).
-
-Measured on SmolLM2's shapes, 2 threads, 32 decodes of 40-300 tokens, 30 layers, before
-the prefetch: 28-39 ms against 54-71 ms for gather + SDPA on their own. Inside a forward
-pass the gain shrinks (a step of 32 decodes 5-10% faster, of 100-128 decodes 13.5%;
-steps alternated between the two paths in one engine), because torch's OpenMP workers
-spin for a while after each GEMM and compete with this kernel's threads. The prefetch
-took a further 7% off a 32-decode step (96.2 to 89.1 ms) and 11% off a 100-decode one
-(206.6 to 184.3 ms), steps alternating between the two kernels.
+(`numba_support.prefetch`).
 
 Its arithmetic is spelled out with `numba_support`'s exact lane ops, not left to LLVM's
 fast-math choices: a score sums its products in DOT_PARTS interleaved parts, each in
 order, then the parts by halving; a block's probabilities are summed by halving over
-`sum_slots` slots; each step is rounded once. `paged_verify`, which serves the tokens of a
-decode verifying a draft, does the same operations in the same order, so a token gets
-the same bits either way and speculative decoding stays exactly what decoding one token
-at a time gives. Written so, with its scratch on the stack, the kernel runs as fast as
-the fast-math one it replaced (32 decodes alternating between the two: within 3% either
-way; the attention of a 32-request SmolLM2 run without drafts took 2.5-2.6 s against
-2.8-2.9 s, 3 runs each).
+`sum_slots` slots; each step is rounded once. `paged_verify`, which serves runs of new
+tokens of one sequence, does the same operations in the same order, so a token gets the
+same bits either way and speculative decoding stays exactly what decoding one token at a
+time gives.
 
-Importing this module imports numba: `torch_ops` imports it only where numba is installed.
+Importing this module imports numba: `torch_ops` and the CPU executor import it only where
+numba is installed.
 """
 
 from __future__ import annotations
@@ -90,9 +77,8 @@ def supports(
     contiguous, none of them tracked by autograd (the kernel has no backward), head_dim a
     multiple of DOT_PARTS.
 
-    A bf16 cache stays on the torch path: where the CPU has native bf16 its SDPA reads half
-    the bytes, and widening in this kernel measured slower (110 vs 105 ms per 32-decode
-    step of SmolLM2).
+    A bf16 cache stays on the torch path: where the CPU has native bf16, SDPA reads half
+    the bytes and computes in bf16, which widening to fp32 here does not beat.
     """
     tensors = (query, k_cache, v_cache) if out is None else (query, k_cache, v_cache, out)
     return (
@@ -165,7 +151,7 @@ def compiled_kernel(
         workers: int,
     ) -> None:
         # Scratch on the stack: LLVM knows that no other array aliases it (and it is
-        # 64-byte aligned); on the heap this kernel took 20% longer.
+        # 64-byte aligned), which heap scratch is not: the kernel ran slower with it.
         # Per head (the spare lanes past num_heads stay 0): the running max, denominator
         # and a block's max, max change, rescale factor and sum of probabilities.
         m, den = stack_array((heads,)), stack_array((heads,))

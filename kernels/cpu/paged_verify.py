@@ -1,8 +1,9 @@
-"""Paged attention for CPU of a decode that verifies a draft, compiled with numba: a run of
-new tokens of one sequence per task, each K/V block read once for all of them.
+"""Paged attention for CPU of runs of new tokens of one sequence, compiled with numba: a
+run per task, each K/V block read once for all of its tokens.
 
 A decode verifying a draft of k tokens brings k + 1 new tokens of one sequence, token i
-seeing the context up to and including itself. `paged_decode` would serve them as k + 1
+seeing the context up to and including itself; a prompt chunk brings many more, taken
+here in runs. `paged_decode` would serve them as k + 1
 rows that each walk the same blocks and compute every score as a dot product ending in a
 horizontal sum. This kernel serves up to `rows_per_run` of them from each block it loads:
 
@@ -29,17 +30,11 @@ those positions (a later token's NaN reaches only the tokens that see it); a blo
 all of a lane's positions leaves it as it was, bit for bit.
 
 Every lane is computed whether a token fills it or not: a task costs about the same per
-position with 1 token as with 5. `torch_ops.plan_attention` sends only runs of at least
-half `rows_per_run` tokens here, the rest to `paged_decode`. Measured on SmolLM2's shapes,
-32 sequences with 100-400 tokens of context, 30 layers, 2 threads, against a
-`paged_decode` row per token, alternating in one process (ns per token, context position
-and layer): with 5 new tokens each 51 against 90, 4: 74 against 101, 3: 83 against 103,
-6 (a run and a row): 66 against 93, 1 to 6 mixed: 74 against 99. Serving the 32-request
-benchmark workload with 4-token drafts a second time in one engine (its prompts from the
-prefix cache, so nearly all of it decode steps), the attention kernels took 1.16 s
-against 1.63 s (medians of 7 runs each; those runs 7.1 s against 7.8 s).
+position with 1 token as with a full run. `torch_ops.plan_attention` sends only runs of
+at least half `rows_per_run` tokens here, the rest to `paged_decode`, a row per token.
 
-Importing this module imports numba: `torch_ops` imports it only where numba is installed.
+Importing this module imports numba: `torch_ops` and the CPU executor import it only where
+numba is installed.
 """
 
 from __future__ import annotations
