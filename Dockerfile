@@ -7,8 +7,8 @@
 #
 # VARIANT picks the torch build: `cpu` (small; the CPU wheel) or `cuda` (a CUDA build of
 # torch plus triton for the paged-attention kernels). Both embed the default model
-# (SmolLM2-135M-Instruct), converted at build time so that pods start in seconds
-# instead of spending ~30 s dequantising the GGUF file on every start.
+# (SmolLM2-135M-Instruct), converted at build time, and the CPU kernels compiled at
+# build time, so that pods neither dequantise the GGUF file nor compile on start.
 
 ARG VARIANT=cpu
 ARG PYTHON_IMAGE=python:3.11-slim
@@ -28,6 +28,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 ENV PAGEDINFER_CACHE_DIR=/opt/pagedinfer/cache \
     TRITON_CACHE_DIR=/tmp/triton \
     NUMBA_CACHE_DIR=/tmp/numba \
+    PAGEDINFER_NUMBA_PREBUILT=/opt/pagedinfer/numba \
     HF_HOME=/tmp/huggingface \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1
@@ -84,8 +85,12 @@ LABEL org.opencontainers.image.title="pagedinfer" \
 COPY --from=build /opt/venv /opt/venv
 # Convert the embedded model in this stage: the cache key includes the GGUF file's path
 # and mtime, which must be those of the final image. It runs as root, so the cache is
-# read-only to the runtime user.
+# read-only to the runtime user. Then compile the CPU kernels into a read-only cache,
+# which each pod copies into its writable NUMBA_CACHE_DIR (a node with another CPU
+# compiles them in the background while the torch path serves).
 RUN python -c "from pagedinfer.service.loader import ensure_default_model; ensure_default_model()" \
+    && NUMBA_CACHE_DIR=/opt/pagedinfer/numba \
+        python -c "from pagedinfer.service import LLM; LLM(kv_cache_memory=64 * 2**20)" \
     && rm -rf /tmp/* /tmp/.[!.]*
 USER 10001:10001
 WORKDIR /home/pagedinfer

@@ -27,6 +27,7 @@ import hashlib
 import math
 import os
 import platform
+import shutil
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +41,38 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic as numba_intrinsic
 from numba.np.arrayobj import make_array, populate_array
+
+# A read-only cache of kernels compiled when the image was built (the Dockerfile sets it).
+PREBUILT_CACHE_ENV = "PAGEDINFER_NUMBA_PREBUILT"
+
+
+def seed_disk_cache(prebuilt: str | None = None, target: str | None = None) -> bool:
+    """Copy a prebuilt kernel cache into the writable numba cache directory, once.
+
+    numba reads and writes its cache in one directory, so a read-only cache baked into an
+    image cannot serve directly: its files are copied into NUMBA_CACHE_DIR (an emptyDir in
+    a pod) before the first kernel loads. Entries compiled for another CPU simply miss.
+    Returns whether anything was copied.
+    """
+    prebuilt = prebuilt if prebuilt is not None else os.environ.get(PREBUILT_CACHE_ENV)
+    target = target if target is not None else numba.config.CACHE_DIR
+    if not prebuilt or not target or not os.path.isdir(prebuilt):
+        return False
+    if os.path.realpath(prebuilt) == os.path.realpath(target):
+        return False
+    marker = os.path.join(target, ".seeded")
+    if os.path.exists(marker):
+        return False
+    try:
+        shutil.copytree(prebuilt, target, dirs_exist_ok=True)
+        with open(marker, "w"):
+            pass
+    except OSError:  # an unwritable target: the kernels compile as without a cache
+        return False
+    return True
+
+
+seed_disk_cache()
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 # Reassociation lets LLVM vectorise dot products and sums. No "no-inf" or "no-NaN" flags:

@@ -183,3 +183,17 @@ def test_kernels_made_by_one_factory_keep_cache_files_of_their_own() -> None:
     ]
     names = {kernel._cache._cache_file._index_name for kernel in kernels}
     assert len(names) == len(kernels)
+
+
+def test_a_prebuilt_kernel_cache_is_copied_into_the_writable_one_once(tmp_path) -> None:
+    """An image's read-only cache seeds the pod's writable NUMBA_CACHE_DIR on first start."""
+    prebuilt, target = tmp_path / "prebuilt", tmp_path / "cache"
+    (prebuilt / "pagedinfer" / "kernels").mkdir(parents=True)
+    (prebuilt / "pagedinfer" / "kernels" / "step.nbi").write_bytes(b"index")
+    assert numba_support.seed_disk_cache(str(prebuilt), str(target))
+    assert (target / "pagedinfer" / "kernels" / "step.nbi").read_bytes() == b"index"
+    (target / "pagedinfer" / "kernels" / "step.nbi").write_bytes(b"newer")
+    assert not numba_support.seed_disk_cache(str(prebuilt), str(target))  # seeded already
+    assert (target / "pagedinfer" / "kernels" / "step.nbi").read_bytes() == b"newer"
+    assert not numba_support.seed_disk_cache(str(prebuilt), str(prebuilt))
+    assert not numba_support.seed_disk_cache(str(tmp_path / "missing"), str(target))
