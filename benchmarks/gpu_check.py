@@ -33,7 +33,7 @@ PyTorch image has them all; matplotlib, if there, draws kernels_gpu's plot). The
 pyproject's dependencies are never imported (`NOT_NEEDED`, which the dry run makes
 unimportable): numba (the CPU kernels), kopf, kubernetes_asyncio, the OpenTelemetry
 packages and prometheus_client (control plane and metrics), grpcio and protobuf (the
-server), gguf and accelerate (the embedded model's conversion), scipy (the CPU floors).
+server), gguf and accelerate (the embedded model's conversion).
 pagedinfer is imported from this checkout through a folder of links that maps the import
 names to the folders as pyproject's package-dir does, so no pip install is needed either.
 """
@@ -91,7 +91,6 @@ NOT_NEEDED = {
     "protobuf": "google.protobuf",
     "gguf": "gguf",
     "accelerate": "accelerate",
-    "scipy": "scipy",
 }
 # Relative tolerance of the kernels against the float64 reference, per dtype: bf16 rounds
 # the attention weights to 8 bits before they multiply V.
