@@ -358,9 +358,16 @@ def _eos_ids(raw: dict[str, Any], path: Path) -> list[int]:
 
 
 def _load_tokenizer(path: Path) -> Any:
-    from transformers import AutoTokenizer
-
+    """The checkpoint's tokenizer: straight from tokenizer.json where there is one (the
+    fast tokenizer, without AutoTokenizer's registry lookups, which take seconds), else
+    whatever AutoTokenizer finds."""
     try:
+        if (path / "tokenizer.json").is_file():
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, TypeError) as err:
         raise ValueError(f"{path}: no usable tokenizer ({err})") from err
