@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from pagedinfer.service.config import EngineConfig
-from pagedinfer.service.request import Request
+from pagedinfer.service.request import Request, RequestStatus
 from pagedinfer.service.sampling_params import SamplingParams
 from pagedinfer.service.scheduler import Scheduler, SchedulerOutput
 
@@ -51,7 +51,8 @@ class SteadyLoad:
 
     def step(self, out: SchedulerOutput) -> None:
         """What the engine does after the model: one token per request that sampled,
-        after the whole draft where it had one (the most bookkeeping a step can need)."""
+        after the whole draft where it had one (the most bookkeeping a step can need),
+        then it ends the requests that reached max_tokens."""
         sampled = {
             s.request.request_id: [*s.draft_token_ids, 1000]
             for s in out.scheduled
@@ -59,6 +60,10 @@ class SteadyLoad:
             == s.request.num_tokens
         }
         self.scheduler.update_from_output(out, sampled)
+        for s in out.scheduled:
+            request = s.request
+            if request.num_output_tokens >= request.sampling_params.max_tokens:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
 
     def refill(self) -> None:
         while len(self.scheduler.requests) < self.args.running:

@@ -55,6 +55,7 @@ class Request:
     num_cached_tokens: int = field(default=0, init=False)  # prefix-cache hit at latest admission
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
     block_table: list[int] = field(default_factory=list, init=False)
+    first_scheduled_at: float | None = field(default=None, init=False)  # monotonic seconds
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -85,10 +86,3 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
-
-    def truncate_output(self, num_output_tokens: int) -> None:
-        """Keep only the first num_output_tokens outputs (a draft's tokens past a stop)."""
-        drop = self.num_output_tokens - num_output_tokens
-        if drop > 0:
-            del self.output_token_ids[-drop:]
-            del self._all_token_ids[-drop:]

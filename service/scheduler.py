@@ -6,8 +6,12 @@ their next prefill chunk), then waiting requests in arrival order. When a runnin
 request cannot get a block, the most recently admitted running request is preempted:
 its blocks are freed and it goes back to the head of the queue to be recomputed. With
 speculative decoding on, a decode also carries a draft (spec_decode.py) when the budget
-and its blocks allow, never at the cost of preempting anyone. Pure Python: the model
-runner turns a SchedulerOutput into tensors.
+and its blocks allow, never at the cost of preempting anyone.
+
+The scheduler decides what runs; it never decides when a request ends. The engine
+checks stop tokens, stop strings and max_tokens, hands over the tokens a request keeps
+(`update_from_output`) and then ends it (`finish_request`), as it does on an abort.
+Pure Python: the model runner turns a SchedulerOutput into tensors.
 """
 
 from __future__ import annotations
@@ -19,13 +23,12 @@ from dataclasses import dataclass, field
 from pagedinfer.service.block_manager import KVCacheManager, KVCacheStats
 from pagedinfer.service.config import EngineConfig
 from pagedinfer.service.request import Request, RequestStatus
-from pagedinfer.service.spec_decode import NgramProposer
+from pagedinfer.service.spec_decode import Speculator, kept_draft_length
 
 # Share of the KV blocks that admitting a new request must leave free for the running
-# ones to grow into. Admitting until the pool is full means the next block boundary of
-# any running request preempts one: on the `pagedinfer simulate` trace (1,000 requests,
-# 1,536 blocks) 1% halves the preemptions (1,479 to 728) for 0.1% more steps; 2% cuts
-# them to 432 for 0.8% more, 4% to 178 for 1.8% more.
+# ones to grow into: admitting until the pool is full means the next block boundary of
+# any running request preempts one. 1% halves the preemptions on the `pagedinfer
+# simulate` trace for a negligible number of extra steps.
 ADMISSION_WATERMARK = 0.01
 
 
@@ -82,11 +85,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        self.proposer = None
-        if config.num_speculative_tokens:
-            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        self.draft_tokens = 0
-        self.accepted_draft_tokens = 0
+        self.speculator = Speculator(config) if config.num_speculative_tokens else None
 
     @property
     def num_running(self) -> int:
@@ -103,17 +102,18 @@ class Scheduler:
         return self.requests.get(request_id)
 
     def add_request(self, request: Request) -> None:
-        """Queue a request; ValueError if it could never run."""
-        self.check_fits(request)
+        """Queue a request that passed `check_fits`, under an id no unfinished request has."""
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def check_fits(self, request: Request) -> None:
-        """ValueError naming the reason if the request could never run here."""
+        """ValueError naming the reason if the request could never run here.
+
+        Reads only what never changes (the configuration and the pool's size), so it may
+        run beside a step in another thread.
+        """
         rid = request.request_id
-        if rid in self.requests:
-            raise ValueError(f"request_id {rid!r} is already in use")
         if not request.prompt_token_ids:
             raise ValueError(f"request {rid}: prompt_token_ids is empty")
         max_len = self.config.max_model_len
@@ -141,9 +141,8 @@ class Scheduler:
         # The tokens and blocks the running requests still need: a draft gets only what
         # they leave, so that it never costs anyone a step or a preemption.
         pending = pending_blocks = 0
-        drafting = (
-            self.proposer is not None and len(self.running) <= self.config.speculative_max_running
-        )
+        speculator = self.speculator
+        drafting = speculator is not None and speculator.drafts_with(len(self.running))
         if drafting:
             for r in self.running:
                 pending += r.num_tokens - r.num_computed_tokens
@@ -159,7 +158,7 @@ class Scheduler:
             if drafting:
                 pending -= need
                 pending_blocks -= self.kv_cache.num_new_blocks(request, need)
-                draft = self._draft(request, budget - num_tokens - pending)
+                draft = speculator.draft(request, budget - num_tokens - pending)
                 # A guess gets only blocks nothing else needs; short of them, it is dropped.
                 if draft and not self.kv_cache.allocate_slots(
                     request, num_tokens + len(draft), keep_free=pending_blocks
@@ -173,7 +172,10 @@ class Scheduler:
         # Admit nothing in a step that had to preempt: memory is short.
         while self.waiting and not preempted and budget > 0 and len(self.running) < max_seqs:
             request = self.waiting[0]
-            hits = self.kv_cache.get_computed_blocks(request)
+            # A prompt whose logprobs are asked for is computed in full: blocks read from
+            # the prefix cache would give no logits.
+            scoring = request.sampling_params.prompt_logprobs is not None
+            hits = [] if scoring else self.kv_cache.get_computed_blocks(request)
             num_cached = len(hits) * self.config.block_size
             num_tokens = min(request.num_tokens - num_cached, budget)
             # Admission leaves a few blocks free for the running requests to grow into;
@@ -198,19 +200,6 @@ class Scheduler:
             copy_blocks=self.kv_cache.take_pending_copies(),
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
         )
-
-    def _draft(self, request: Request, spare: int) -> list[int]:
-        """The draft of a decode: at most `spare` tokens of budget, and no more than the
-        request may still emit after this step's token."""
-        # Not before the first output: the prompt's last token samples it, and a request
-        # with n > 1 forks there.
-        decoding = (
-            request.num_output_tokens > 0 and request.num_tokens - request.num_computed_tokens == 1
-        )
-        if not decoding:
-            return []
-        room = request.sampling_params.max_tokens - request.num_output_tokens - 1
-        return self.proposer.propose(request, min(self.config.num_speculative_tokens, spare, room))
 
     def _allocate_or_preempt(
         self, request: Request, num_tokens: int, preempted: list[Request]
@@ -241,10 +230,11 @@ class Scheduler:
     def update_from_output(
         self, output: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]]
     ) -> None:
-        """Record a step's results: computed tokens, and the sampled token of each
-        request whose chunk reached the end of its tokens; for a request with a draft,
-        the draft tokens it kept followed by one more token. Finishes only on
-        max_tokens; the engine checks stop conditions and calls finish_request."""
+        """Record a step's results: computed tokens, and the tokens the caller keeps for
+        each request whose chunk reached the end of its tokens: one sampled token, or for
+        a request with a draft, the draft tokens it kept followed by one more (fewer where
+        a stop came first). Finishes nobody: a request that reaches its max_tokens here
+        must be finished by the caller before the next step."""
         for item in output.scheduled:
             request, draft = item.request, item.draft_token_ids
             if request.status is not RequestStatus.RUNNING:
@@ -252,28 +242,25 @@ class Scheduler:
             request.num_computed_tokens += item.num_tokens - len(draft)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk that does not reach the end samples nothing
-            if request.request_id not in sampled:
-                raise ValueError(f"request {request.request_id} completed a step with no token")
-            tokens = sampled[request.request_id]
+            rid = request.request_id
+            if rid not in sampled:
+                raise ValueError(f"request {rid} completed a step with no token")
+            tokens = sampled[rid]
             tokens = [tokens] if isinstance(tokens, int) else list(tokens)
-            kept = len(tokens) - 1
-            if not tokens or tokens[:kept] != draft[:kept]:  # also when kept > len(draft)
+            kept = kept_draft_length(rid, draft, tokens)
+            max_tokens = request.sampling_params.max_tokens
+            if request.num_output_tokens + len(tokens) > max_tokens:
                 raise ValueError(
-                    f"request {request.request_id}: sampled {tokens} is not a prefix of its "
-                    f"draft {draft} followed by one token"
+                    f"request {rid}: {len(tokens)} more tokens exceed its max_tokens "
+                    f"({max_tokens}); a request must be finished when it reaches it"
                 )
             # The kept draft tokens' KV was computed in this step, over the right tokens.
             request.num_computed_tokens += kept
             for token in tokens:
                 request.append_output_token(token)
             if draft:
-                self.draft_tokens += len(draft)
-                self.accepted_draft_tokens += kept
-                assert self.proposer is not None
-                self.proposer.observe(request, len(draft), kept, self.config.num_speculative_tokens)
+                self.speculator.record(request, len(draft), kept)
                 self.kv_cache.trim(request)  # blocks a rejected draft reached
-            if request.num_output_tokens >= request.sampling_params.max_tokens:
-                self.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
         """Finish or abort a waiting or running request and free its blocks; idempotent."""
@@ -294,17 +281,11 @@ class Scheduler:
         """Start a running child that shares the parent's computed tokens and blocks.
 
         The child's tokens must agree with the parent's on the computed prefix and go
-        at least one token past it (its own sampled token). A child that already has
-        max_tokens outputs has nothing to compute and finishes at once (reported with
-        the next step's finished requests), even if its parent has just finished too.
+        at least one token past it (its own sampled token). Like a request of its own,
+        a child that reaches its max_tokens or a stop must be finished by the caller.
         """
-        self.check_fits(child)
         if child.parent_id is None:
             child.parent_id = parent.request_id
-        if child.num_output_tokens >= child.sampling_params.max_tokens:
-            child.status = RequestStatus.FINISHED_LENGTH
-            self._finished.append(child)
-            return
         if parent.status is not RequestStatus.RUNNING:
             raise ValueError(f"fork parent {parent.request_id} is not running")
         num_computed = parent.num_computed_tokens
@@ -332,6 +313,6 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
-            draft_tokens=self.draft_tokens,
-            accepted_draft_tokens=self.accepted_draft_tokens,
+            draft_tokens=self.speculator.draft_tokens if self.speculator else 0,
+            accepted_draft_tokens=self.speculator.accepted_draft_tokens if self.speculator else 0,
         )

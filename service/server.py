@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # grpc and the engine are imported in `run`, keeping `--help` fast
     import grpc
 
+    from pagedinfer.service.async_engine import AsyncLLMEngine
     from pagedinfer.service.config import EngineConfig
-    from pagedinfer.service.engine import AsyncLLMEngine
     from pagedinfer.service.metrics import Telemetry
     from pagedinfer.service.sampling_params import SamplingParams
 
@@ -174,20 +174,16 @@ def sampling_params_from_proto(message: Any) -> SamplingParams:
 
 
 def prompt_from_proto(message: Any) -> dict[str, Any]:
-    """The keyword arguments of `engine.encode_prompt` for a request's input fields."""
-    given = {}
+    """The keyword arguments of `engine.encode_prompt` for a request's input fields: the
+    fields it sets (a repeated field is set when it is not empty). `encode_prompt`
+    checks them."""
+    given: dict[str, Any] = {}
     if message.HasField("prompt"):
-        if not message.prompt:
-            raise ValueError("prompt must not be empty")
         given["prompt"] = message.prompt
     if getattr(message, "prompt_token_ids", None):
         given["prompt_token_ids"] = list(message.prompt_token_ids)
     if message.messages:
         given["messages"] = [{"role": m.role, "content": m.content} for m in message.messages]
-    if len(given) != 1:
-        fields = [n for n in ("prompt", "prompt_token_ids", "messages") if hasattr(message, n)]
-        got = ", ".join(given) or "none"
-        raise ValueError(f"set exactly one of {', '.join(fields)} (got {got})")
     return given
 
 
@@ -378,7 +374,7 @@ def bearer_token_interceptor(token: str) -> Any:
 async def _load_engine(config: EngineConfig) -> AsyncLLMEngine:
     """Builds the engine in a daemon thread, so that a SIGTERM during a long load can
     exit without waiting for it."""
-    from pagedinfer.service.engine import AsyncLLMEngine
+    from pagedinfer.service.async_engine import AsyncLLMEngine
 
     loop = asyncio.get_running_loop()
     future: asyncio.Future[AsyncLLMEngine] = loop.create_future()

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedinfer.service.config import EngineConfig
-from pagedinfer.service.request import Request
+from pagedinfer.service.request import Request, RequestStatus
 from pagedinfer.service.sampling_params import SamplingParams
 from pagedinfer.service.scheduler import Scheduler
 
@@ -94,7 +94,9 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, num_blocks: int) -
         while pending and trace[pending[-1]].arrival_step <= step:
             i = pending.pop()
             params = SamplingParams(max_tokens=trace[i].num_output_tokens, ignore_eos=True)
-            scheduler.add_request(Request(str(i), trace[i].prompt_token_ids, params, step))
+            request = Request(str(i), trace[i].prompt_token_ids, params, step)
+            scheduler.check_fits(request)
+            scheduler.add_request(request)
         output = scheduler.schedule()
         # The stand-in model: a fixed token per (request, position) for every sampler.
         sampled = {
@@ -104,6 +106,9 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, num_blocks: int) -
             if s.request.num_computed_tokens + s.num_tokens == s.request.num_tokens
         }
         scheduler.update_from_output(output, sampled)
+        for s in output.scheduled:  # as the engine does: every output runs to max_tokens
+            if s.request.num_output_tokens >= s.request.sampling_params.max_tokens:
+                scheduler.finish_request(s.request.request_id, RequestStatus.FINISHED_LENGTH)
 
         filled = sum(r.num_computed_tokens for r in scheduler.running)
         slots = sum(len(r.block_table) for r in scheduler.running) * config.block_size

@@ -1,68 +1,47 @@
-"""N-gram speculative decoding (prompt lookup): drafts from a sequence's own tokens.
+"""Speculative decoding by n-gram lookup: every piece of it, for the scheduler and the engine.
 
 When the last n tokens of a sequence occurred earlier in it, in the prompt or the
-output, the tokens that followed that occurrence are a cheap guess at what comes next.
-The engine feeds the guess (the draft) to the model behind the sequence's last token,
-in the same pass, and keeps the draft's tokens for as long as they agree with what the
-sampler picks from the logits at each position, plus the sampler's pick at the first
-disagreement (or after the whole draft). A decode step then yields 1 to k+1 tokens for
-one pass; the pass carries more tokens, which costs little where decoding is bound by
-reading the weights, as on a CPU at a few dozen tokens per pass.
+output, the tokens that followed that occurrence are a cheap guess at what comes next:
+the draft. The scheduler gives a decode its draft (`Speculator.draft`), and the model
+computes logits behind the sequence's last token and behind each draft token in one
+pass. The engine keeps the draft's tokens for as long as the sampler picks them from
+those logits, plus the sampler's pick at the first disagreement or after the whole
+draft (`accepted_length`); a seeded generator then forgets the draws of the rows past
+that (`GeneratorCheckpoint`). The scheduler counts the kept tokens' KV as computed,
+releases the blocks the rest reached, and lets the request's next draft follow how this
+one did (`kept_draft_length`, `Speculator.record`).
 
-The output is exactly what decoding one token at a time would give: every kept token
-is the sampler's own pick from logits computed over the same tokens. For random
-sampling too, since a draft is fixed in advance, keeping draft token d at a position
-exactly when the draw there gives d leaves each position's distribution as it was.
+The output is exactly what decoding one token at a time gives: every kept token is the
+sampler's own pick from logits computed over the same tokens, and since a draft is
+fixed in advance, keeping draft token d exactly when the draw at its position gives d
+leaves each position's distribution as it was, for random sampling too.
 
 The lookup is vLLM's prompt-lookup rule: the longest n-gram first (prompt_lookup_max
 down to prompt_lookup_min), its latest earlier occurrence. Each sequence keeps an index
 of its n-grams, extended by the tokens appended since the last lookup, so a lookup
 costs a few dict reads however long the sequence is.
 
-How long a draft is, and when there is one at all. A draft token the model rejects
-costs a row of the pass and gains nothing, and on a CPU a row costs about as much
-whatever the pass (SmolLM2 on an AMD EPYC, 2 threads: each more row of a decode step
-took 1.5-1.9 ms from 1 row to 64). A kept token saves the sequence a pass, which shortens
-the run only for the requests that take the most passes. So:
-
-- each sequence's drafts follow how well its drafts did: after a rejection the next
-  draft is at most one longer than what was kept, after a draft kept whole one longer
-  again, up to the configured length (sequences that repeat themselves draft long,
-  the others short);
-- the scheduler drafts only while at most `EngineConfig.speculative_max_running`
-  requests are running: in a full batch each pass carries many rows anyway, and the few
-  longest requests are yet to become the whole batch.
-
-On the benchmark's mixed workload (SmolLM2, 4-token drafts, an AMD EPYC, 2 threads),
-in one engine taking turns: 6.56-6.58 s with both, 6.71-6.75 s with a 4-token draft
-for every decode that has one (1,643 draft tokens, 410 rejected, against 544 and 71),
-7.12-7.13 s with no drafts. Drafting from 8, 16, 24 or any number of running requests
-was within 1% (7.52-7.71 s in a slower turn of the machine).
-
-On an Intel Xeon (2 threads) a row costs less against a pass: the 30 layers' GEMMs took
-13 ms at 1 row and 0.6 ms more a row from 16 rows to 64. There drafting from more running
-requests pays (engines taking turns in one process, fastest and median turn):
-
-- the mixed workload, 32 requests: drafting from up to 16 running 4.61 and 4.78 s, up
-  to 32 (every step) 4.24 and 4.41 s; in another process 4.70 and 4.81 against 4.23 and
-  4.47 s;
-- 64 requests (512 MiB of KV cache): up to 16 running 9.13 and 9.25 s, up to 32 8.78
-  and 8.97 s, up to 64 8.39 and 8.67 s;
-- 128 requests (1 GiB): up to 16 running 16.98 and 17.10 s, up to 64 16.09 and 16.25 s;
-- two more seeds of 32 requests, up to 16 against up to 64 running, fastest turns: 3.80
-  against 3.73 s, and 3.50 against 3.39 s.
-
-So the default is 64. On the AMD EPYC the limit moved the time by under 1%; on the Intel
-Xeon drafting from up to 32 or 64 took 2-8% less than from up to 16, at 32 to 128
-requests.
+A rejected draft token costs a row of the pass and gains nothing; a kept one saves the
+sequence a pass, which shortens the run only for the requests that take the most
+passes. So a sequence's next draft is at most one token longer than what its last one
+kept (one longer again after a draft kept whole, up to `num_speculative_tokens`), and
+decodes draft only while at most `speculative_max_running` requests run: a full batch
+carries many rows per pass anyway. `benchmarks/draft_limits.py` and the throughput
+benchmark measure both choices; their figures are in benchmarks/results/.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from pagedinfer.service.config import EngineConfig
 from pagedinfer.service.request import Request
+
+if TYPE_CHECKING:  # the scheduler imports this module, and never needs torch
+    import torch
 
 
 @dataclass
@@ -136,3 +115,78 @@ class NgramProposer:
                 if stop >= n:
                     grams[tuple(tokens[stop - n : stop])] = stop
         index.indexed = max(index.indexed, last + 1)
+
+
+class Speculator:
+    """The scheduler's side: which decodes draft, how long, and what became of them."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.num_tokens = config.num_speculative_tokens
+        self.max_running = config.speculative_max_running
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.draft_tokens = 0  # cumulative draft tokens verified
+        self.accepted_draft_tokens = 0  # cumulative draft tokens kept
+
+    def drafts_with(self, num_running: int) -> bool:
+        """Whether decodes draft in a step with this many running requests."""
+        return num_running <= self.max_running
+
+    def draft(self, request: Request, spare: int) -> list[int]:
+        """The draft of a decode: at most `spare` tokens of budget, and no more than the
+        request may still emit after this step's own token; [] for a prefill chunk."""
+        # Not before the first output: the prompt's last token samples it, and a request
+        # with n > 1 forks there.
+        decoding = (
+            request.num_output_tokens > 0 and request.num_tokens - request.num_computed_tokens == 1
+        )
+        if not decoding:
+            return []
+        room = request.sampling_params.max_tokens - request.num_output_tokens - 1
+        return self.proposer.propose(request, min(self.num_tokens, spare, room))
+
+    def record(self, request: Request, drafted: int, kept: int) -> None:
+        """Count a verified draft, and let the request's next draft follow it."""
+        self.draft_tokens += drafted
+        self.accepted_draft_tokens += kept
+        self.proposer.observe(request, drafted, kept, self.num_tokens)
+
+
+def accepted_length(draft: Sequence[int], picks: Sequence[int]) -> int:
+    """How many leading draft tokens the sampler picked too, row by row: those are kept,
+    followed by the sampler's pick at the row after them (picks has len(draft) + 1)."""
+    n = 0
+    while n < len(draft) and picks[n] == draft[n]:
+        n += 1
+    return n
+
+
+def kept_draft_length(request_id: str, draft: Sequence[int], tokens: Sequence[int]) -> int:
+    """How many draft tokens `tokens` keeps: ValueError unless they are a prefix of the
+    draft followed by one token (one token alone for a request without a draft)."""
+    kept = len(tokens) - 1
+    if not tokens or list(tokens[:kept]) != list(draft[:kept]):  # also when kept > len(draft)
+        raise ValueError(
+            f"request {request_id}: sampled {list(tokens)} is not a prefix of its draft "
+            f"{list(draft)} followed by one token"
+        )
+    return kept
+
+
+class GeneratorCheckpoint:
+    """A seeded generator's state before a draft's rows drew from it.
+
+    The sampler draws one number per row, so the rows past the first rejected draft
+    token drew too; `rewind` keeps only the draws of the kept tokens, and the stream goes
+    on as it would have without a draft.
+    """
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+        self.state = generator.get_state()
+
+    def rewind(self, draws: int) -> None:
+        import torch
+
+        self.generator.set_state(self.state)
+        for _ in range(draws):
+            torch.rand(1, generator=self.generator, device=self.generator.device)

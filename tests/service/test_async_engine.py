@@ -6,8 +6,10 @@ import asyncio
 
 import pytest
 
+from pagedinfer.service import LLM
+from pagedinfer.service.async_engine import AsyncLLMEngine
 from pagedinfer.service.config import EngineConfig
-from pagedinfer.service.engine import LLM, AsyncLLMEngine, CompletionDelta
+from pagedinfer.service.outputs import CompletionDelta
 from pagedinfer.service.sampling_params import SamplingParams
 
 CONFIG = dict(max_model_len=256, kv_cache_memory=64 * 2**20, max_num_batched_tokens=128)

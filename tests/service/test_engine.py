@@ -225,3 +225,26 @@ def test_greedy_rows_take_tokens_picked_without_their_logits(llm, hf_reference, 
         assert all(set(tokens) == {-1} for greedy, tokens in picked if not greedy)
     else:
         assert not picked
+
+
+def test_a_batch_with_one_bad_prompt_queues_none_of_it(llm):
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate(["Hello", [10**9]], SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished()
+
+
+def test_request_ids_are_unique_across_every_sample(llm):
+    engine = llm.engine
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, n=2), request_id="x")
+    try:
+        with pytest.raises(ValueError, match="'x' is already in use"):
+            engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), request_id="x")
+        # Sample 1 of x will fork under this id: a request of its own may not take it.
+        with pytest.raises(ValueError, match=r"'x#1' is already in use .*request 'x'"):
+            engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), request_id="x#1")
+    finally:
+        engine.abort("x")
+    assert not engine.has_unfinished()
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=1), request_id="x#1")
+    while engine.has_unfinished():
+        engine.step()

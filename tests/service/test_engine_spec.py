@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 
 from pagedinfer.service import LLM, EngineConfig, SamplingParams
-from pagedinfer.service.engine import CompletionDelta
+from pagedinfer.service.outputs import CompletionDelta
 
 # A small budget chunks the longer prompts, so a prefill's last chunk can also draft.
 CONFIG = dict(max_model_len=256, kv_cache_memory=32 * 2**20, max_num_batched_tokens=64)

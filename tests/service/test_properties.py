@@ -92,6 +92,7 @@ class Harness:
         for item in output.scheduled:
             self.assert_context(item.request, item.request.num_computed_tokens + item.num_tokens)
         self.scheduler.update_from_output(output, sampled)
+        self.finish_at_max_tokens()
 
     def finish(self, index: int, status: RequestStatus) -> None:
         if self.requests:  # any request: finished and unknown ones must be harmless
@@ -117,6 +118,13 @@ class Harness:
             child.append_output_token((parent.all_token_ids[computed] + 1) % VOCAB)
         self.requests.append(child)
         self.scheduler.fork_request(parent, child)
+        self.finish_at_max_tokens()
+
+    def finish_at_max_tokens(self) -> None:
+        """What the engine does after an update or a fork: end what reached max_tokens."""
+        for request in list(self.scheduler.running):
+            if request.num_output_tokens >= request.sampling_params.max_tokens:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
 
     def preempt(self) -> None:
         if self.scheduler.running:

@@ -333,7 +333,7 @@ def feed(checker: StopChecker, pieces: list[tuple[int, str]]):
     text = ""
     for step, (token, delta) in enumerate(pieces):
         text += delta
-        decision = checker.check(token, text, len(delta))
+        decision = checker.check(token, text, len(delta), step + 1)
         if decision.finish_reason is not None:
             return step, decision
     return None, (None, text)
@@ -367,6 +367,17 @@ def test_earliest_of_several_stop_strings_wins():
     checker = StopChecker(SamplingParams(stop=["cd", "b"]))
     step, (reason, text) = feed(checker, [(1, "a"), (2, "bcd")])
     assert (step, reason, text) == (1, "stop", "a")
+
+
+def test_the_max_tokens_th_token_ends_for_length_unless_it_is_a_stop():
+    params = SamplingParams(max_tokens=2, stop=["b"], stop_token_ids=[7])
+    step, (reason, text) = feed(StopChecker(params), [(1, "a"), (2, "c"), (3, "d")])
+    assert (step, reason, text) == (1, "length", "ac")
+    step, (reason, text) = feed(StopChecker(params), [(1, "a"), (7, "c")])
+    assert (step, reason, text) == (1, "stop", "a")
+    step, (reason, text) = feed(StopChecker(params), [(1, "a"), (2, "cbd")])
+    assert (step, reason, text) == (1, "stop", "ac")
+    assert not StopChecker(params).is_last(1) and StopChecker(params).is_last(2)
 
 
 def test_no_stop_returns_the_text_unchanged():

@@ -27,6 +27,13 @@ def model(tokens: list[int]) -> int:
     return (sum(t * (i + 1) for i, t in enumerate(tokens)) * 31 + 7) % 1000
 
 
+def finish_at_max_tokens(scheduler: Scheduler) -> None:
+    """What the engine does after each update: end the requests that reached max_tokens."""
+    for request in list(scheduler.running):
+        if request.num_output_tokens >= request.sampling_params.max_tokens:
+            scheduler.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
+
+
 def step(scheduler: Scheduler) -> SchedulerOutput:
     output = scheduler.schedule()
     sampled = {
@@ -35,6 +42,7 @@ def step(scheduler: Scheduler) -> SchedulerOutput:
         if s.request.num_computed_tokens + s.num_tokens == s.request.num_tokens
     }
     scheduler.update_from_output(output, sampled)
+    finish_at_max_tokens(scheduler)
     return output
 
 
@@ -58,20 +66,18 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000) -> int:
         (make_request("big", 30, max_tokens=20), "needs 13 KV blocks"),
     ],
 )
-def test_requests_that_can_never_fit_are_rejected_at_admission(
+def test_requests_that_can_never_fit_are_rejected_before_admission(
     request_: Request, reason: str
 ) -> None:
     scheduler = make_scheduler(num_blocks=12)
     with pytest.raises(ValueError, match=reason):
-        scheduler.add_request(request_)
-    assert not scheduler.has_unfinished()
+        scheduler.check_fits(request_)
 
 
-def test_duplicate_request_ids_are_rejected() -> None:
-    scheduler = make_scheduler()
-    scheduler.add_request(make_request("a", 3))
-    with pytest.raises(ValueError, match="already in use"):
-        scheduler.add_request(make_request("a", 3))
+def test_a_request_that_fits_passes_the_check_and_it_changes_nothing() -> None:
+    scheduler = make_scheduler(num_blocks=12)
+    scheduler.check_fits(make_request("a", 30, max_tokens=18))  # 47 slots: 12 blocks
+    assert not scheduler.has_unfinished() and scheduler.stats().kv.free == 12
 
 
 def test_invalid_kv_budget_names_the_field() -> None:
@@ -242,17 +248,31 @@ def test_fork_shares_blocks_and_schedules_a_copy_of_the_shared_last_block() -> N
     assert scheduler.stats().kv.used == 0
 
 
-def test_fork_of_a_child_with_all_its_tokens_finishes_it_without_blocks() -> None:
+def test_a_fork_whose_parent_and_child_both_end_at_once_returns_every_block() -> None:
     scheduler = make_scheduler()
     parent = make_request("p", 6, max_tokens=1)
     scheduler.add_request(parent)
-    step(scheduler)  # the parent samples its only token and finishes
+    scheduler.update_from_output(scheduler.schedule(), {"p": 5})  # its only token
+    assert parent.status is RequestStatus.RUNNING  # the caller ends it, after the fork
     child = Request("p-1", parent.prompt_token_ids, parent.sampling_params, index=1)
-    child.append_output_token(5)
+    child.append_output_token(6)
     scheduler.fork_request(parent, child)
-    assert child.status is RequestStatus.FINISHED_LENGTH and child.block_table == []
-    assert [r.request_id for r in scheduler.schedule().finished] == ["p", "p-1"]
+    assert child.block_table == parent.block_table
+    for rid in ("p-1", "p"):
+        scheduler.finish_request(rid, RequestStatus.FINISHED_LENGTH)
+    assert [r.request_id for r in scheduler.schedule().finished] == ["p-1", "p"]
     assert not scheduler.has_unfinished()
+    assert scheduler.stats().kv.used == 0
+
+
+def test_tokens_past_max_tokens_are_refused() -> None:
+    scheduler = make_scheduler()
+    request = make_request("a", 3, max_tokens=1)
+    scheduler.add_request(request)
+    scheduler.update_from_output(scheduler.schedule(), {"a": 7})
+    with pytest.raises(ValueError, match="exceed its max_tokens"):
+        scheduler.update_from_output(scheduler.schedule(), {"a": 8})  # nobody finished it
+    assert request.output_token_ids == [7]
 
 
 def test_fork_child_must_extend_the_parents_computed_tokens() -> None:

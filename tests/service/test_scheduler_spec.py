@@ -52,6 +52,13 @@ def verify(model, request: Request, draft: list[int]) -> list[int]:
     return [*tokens[request.num_tokens :], model(tokens)]
 
 
+def finish_at_max_tokens(scheduler: Scheduler) -> None:
+    """What the engine does after each update: end the requests that reached max_tokens."""
+    for request in list(scheduler.running):
+        if request.num_output_tokens >= request.sampling_params.max_tokens:
+            scheduler.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
+
+
 def step(scheduler: Scheduler, model=repeat_model) -> SchedulerOutput:
     output = scheduler.schedule()
     sampled = {}
@@ -60,6 +67,7 @@ def step(scheduler: Scheduler, model=repeat_model) -> SchedulerOutput:
         if request.num_computed_tokens + item.num_tokens - len(draft) == request.num_tokens:
             sampled[request.request_id] = verify(model, request, draft)
     scheduler.update_from_output(output, sampled)
+    finish_at_max_tokens(scheduler)
     return output
 
 
@@ -75,6 +83,7 @@ def admit(scheduler: Scheduler, prompts: dict[str, tuple[list[int], int, int]]) 
     assert {s.request.request_id for s in output.scheduled} == set(prompts)
     assert all(s.draft_token_ids == [] for s in output.scheduled)
     scheduler.update_from_output(output, {rid: first for rid, (_, first, _) in prompts.items()})
+    finish_at_max_tokens(scheduler)
     return requests
 
 
@@ -429,6 +438,7 @@ class Harness:
             end = request.num_computed_tokens + item.num_tokens
             self.assert_context(request.all_token_ids + item.draft_token_ids, request, end)
         self.scheduler.update_from_output(output, sampled)
+        finish_at_max_tokens(self.scheduler)
         for item in output.scheduled:
             request = item.request
             if request.status is RequestStatus.RUNNING and request.request_id in sampled:

@@ -1,4 +1,5 @@
-"""NgramProposer: prompt lookup drafts from a sequence's own earlier tokens."""
+"""Speculative decoding's pieces: prompt-lookup drafts, which decodes draft, which draft
+tokens are kept, and how a seeded generator forgets the draws of the rest."""
 
 from __future__ import annotations
 
@@ -6,8 +7,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedinfer.service.config import EngineConfig
 from pagedinfer.service.request import Request
-from pagedinfer.service.spec_decode import NgramProposer
+from pagedinfer.service.sampling_params import SamplingParams
+from pagedinfer.service.spec_decode import (
+    GeneratorCheckpoint,
+    NgramProposer,
+    Speculator,
+    accepted_length,
+    kept_draft_length,
+)
 
 
 def make_request(tokens: list[int]) -> Request:
@@ -149,3 +158,74 @@ def test_an_impossible_observation_is_refused(drafted: int, kept: int) -> None:
     proposer = NgramProposer(lookup_min=1, lookup_max=3)
     with pytest.raises(ValueError, match="kept"):
         proposer.observe(make_request([1, 2, 1]), drafted, kept, longest=4)
+
+
+@pytest.mark.parametrize(
+    ("draft", "picks", "accepted"),
+    [
+        ([], [9], 0),
+        ([1, 2, 3], [9, 9, 9, 9], 0),
+        ([1, 2, 3], [1, 2, 9, 9], 2),
+        ([1, 2], [1, 2, 5], 2),
+    ],
+)
+def test_the_draft_tokens_kept_are_those_the_sampler_picked_too(
+    draft: list[int], picks: list[int], accepted: int
+) -> None:
+    assert accepted_length(draft, picks) == accepted
+
+
+def test_tokens_handed_back_must_be_a_draft_prefix_and_one_more() -> None:
+    assert kept_draft_length("r", [1, 2, 3], [1, 2, 9]) == 2
+    assert kept_draft_length("r", [1, 2, 3], [1]) == 0  # a stop came with the first token
+    assert kept_draft_length("r", [], [4]) == 0
+    for tokens in ([], [2, 9], [1, 2, 3, 4, 5]):
+        with pytest.raises(ValueError, match="not a prefix of its draft"):
+            kept_draft_length("r", [1, 2, 3], tokens)
+
+
+def test_a_rewound_generator_draws_as_if_only_the_kept_rows_had_drawn() -> None:
+    import torch
+
+    def generator() -> torch.Generator:
+        return torch.Generator().manual_seed(11)
+
+    plain = generator()
+    expected = [torch.rand(1, generator=plain).item() for _ in range(3)]
+    drafted = generator()
+    checkpoint = GeneratorCheckpoint(drafted)
+    for _ in range(4):  # the rows of a draft of three tokens
+        torch.rand(1, generator=drafted)
+    checkpoint.rewind(2)  # one draft token kept, then the sampler's own pick
+    assert torch.rand(1, generator=drafted).item() == expected[2]
+
+
+def speculator(**config) -> Speculator:
+    return Speculator(EngineConfig(num_speculative_tokens=4, **config))
+
+
+def decoding_request(tokens: list[int], outputs: list[int], max_tokens: int = 16) -> Request:
+    request = Request("r", tokens, SamplingParams(max_tokens=max_tokens))
+    for token in outputs:
+        request.append_output_token(token)
+    request.num_computed_tokens = request.num_tokens - 1
+    return request
+
+
+def test_only_a_decode_drafts_within_its_budget_and_the_tokens_left() -> None:
+    spec = speculator()
+    request = decoding_request([1, 2, 3, 4, 5, 6, 1], [2])
+    assert spec.draft(request, spare=8) == [3, 4, 5, 6]
+    assert spec.draft(request, spare=2) == [3, 4]
+    assert spec.draft(decoding_request([1, 2, 3, 4, 5, 6, 1], [2], max_tokens=3), 8) == [3]
+    prefill = decoding_request([1, 2, 3, 4, 5, 6, 1, 2], [])
+    assert spec.draft(prefill, spare=8) == []  # before the first output: no draft
+
+
+def test_drafts_stop_above_speculative_max_running_and_results_are_counted() -> None:
+    spec = speculator(speculative_max_running=2)
+    assert spec.drafts_with(2) and not spec.drafts_with(3)
+    request = decoding_request([1, 2, 3, 4, 5, 6, 1], [2])
+    spec.record(request, drafted=4, kept=1)
+    assert (spec.draft_tokens, spec.accepted_draft_tokens) == (4, 1)
+    assert spec.draft(request, spare=8) == [3, 4]  # kept + 1
