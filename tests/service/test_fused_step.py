@@ -1,10 +1,12 @@
-"""The fused step: a forward pass of a few tokens as one compiled call gives the logits
-and the KV cache of the pass layer by layer, bit for bit."""
+"""The CPU executor's fused step: a forward pass of a few tokens as one compiled call
+gives the logits and the KV cache of the executor's pass layer by layer, bit for bit."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -13,20 +15,13 @@ from paged_cache import BLOCK_SIZE, PagedCache
 
 pytest.importorskip("numba", reason="the fused step is compiled with numba")
 
-from pagedinfer.kernels import cpu_argmax, cpu_step, torch_ops
-from pagedinfer.service.models.llama import (
-    AttentionMetadata,
-    LlamaModel,
-    ModelConfig,
-    cpu_mkl_packing_available,
-)
+from pagedinfer.kernels import AttentionMetadata, cpu, torch_ops
+from pagedinfer.kernels.cpu import fused_step, greedy_argmax, grid_gemm
+from pagedinfer.kernels.cpu.executor import CpuExecutor, choose_mode, find_grids
+from pagedinfer.service.models.llama import LlamaModel, ModelConfig
 
 pytestmark = pytest.mark.skipif(
-    not (
-        cpu_mkl_packing_available(torch.device("cpu"), torch.float32)
-        and torch_ops.compiled_kernels()
-    ),
-    reason="the fused step reproduces MKL's packed GEMMs with the compiled kernels",
+    not torch_ops.compiled_kernels(), reason="the fused step runs on the compiled kernels"
 )
 
 
@@ -48,9 +43,9 @@ def on_grid(
     return torch.from_numpy(w.reshape(out_features, in_features))
 
 
-def grid_model(seed: int = 0, pack: bool = True, attention_bias: bool = False) -> LlamaModel:
+def grid_model(seed: int = 0, attention_bias: bool = False) -> LlamaModel:
     """A small Llama whose GEMM weights lie on 4-bit grids and whose (tied) embeddings on
-    an 8-bit one, packed for MKL as the loader packs it (pack)."""
+    an 8-bit one, as a GGUF file's Q4_1 and Q8_0 weights load."""
     config = ModelConfig(
         architecture="llama",
         vocab_size=512,
@@ -72,83 +67,100 @@ def grid_model(seed: int = 0, pack: bool = True, attention_bias: bool = False) -
     with torch.no_grad():
         for layer in model.layers:
             for linear in layer.linears():
-                in_features, out_features = linear.weight.shape
-                linear.weight.copy_(on_grid(out_features, in_features, rng, 4).t())
+                out_features, in_features = linear.weight.shape
+                linear.weight.copy_(on_grid(out_features, in_features, rng, 4))
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
                 norm.weight.copy_(torch.from_numpy(rng.random(256).astype(np.float32) + 0.5))
         model.embed_tokens.weight.copy_(on_grid(512, 256, rng, 8))
-    if pack:
-        model.pack_weights_mkl()
     return model
 
 
+def grid_executor(model: LlamaModel) -> CpuExecutor:
+    """The executor `cpu.prepare` makes of a model on grids: grid GEMMs and the fused step."""
+    executor = cpu.prepare(model, BLOCK_SIZE)
+    assert executor is not None and executor.active
+    assert executor.mode == "grid" and executor.fused is not None
+    return executor
+
+
+@contextlib.contextmanager
+def fused_step_allowed(executor: CpuExecutor, fused: bool) -> Iterator[None]:
+    """The executor with its fused step (fused) or layer by layer (not fused) in the block."""
+    saved = executor.fused
+    executor.fused = saved if fused else None
+    try:
+        yield
+    finally:
+        executor.fused = saved
+
+
 def run(
-    cache: PagedCache, model: LlamaModel, chunks: list[tuple[int, list[int], int]], fused: bool
+    cache: PagedCache, executor: CpuExecutor, chunks: list[tuple[int, list[int], int]], fused: bool
 ) -> torch.Tensor:
     """One forward over (sequence, new tokens, start) chunks, with the fused step allowed
     or not; the logits of every new token."""
-    saved = model.fused
-    model.fused = saved if fused else None
-    try:
-        return torch.cat(cache.step(model, chunks))
-    finally:
-        model.fused = saved
+    with fused_step_allowed(executor, fused):
+        return torch.cat(cache.step(executor, chunks))
 
 
 @pytest.fixture(scope="module")
-def model() -> LlamaModel:
-    return grid_model()
+def executor() -> CpuExecutor:
+    return grid_executor(grid_model())
 
 
-def prefilled(model: LlamaModel, lengths: list[int], room: int = 16) -> PagedCache:
+def prefilled(executor: CpuExecutor, lengths: list[int], room: int = 16) -> PagedCache:
     """A cache holding a prompt of each length, with room for `room` more tokens each."""
-    cache = PagedCache(model.config, len(lengths), max(lengths) + room, seed=3)
+    cache = PagedCache(executor.config, len(lengths), max(lengths) + room, seed=3)
     gen = torch.Generator().manual_seed(5)
-    vocab = model.config.vocab_size
+    vocab = executor.config.vocab_size
     prompts = [
         (s, torch.randint(0, vocab, (n,), generator=gen).tolist(), 0) for s, n in enumerate(lengths)
     ]
-    run(cache, model, prompts, fused=False)
+    run(cache, executor, prompts, fused=False)
     return cache
 
 
-def test_a_model_on_grids_gets_the_fused_step(model: LlamaModel) -> None:
-    assert model.fused is not None
-    assert model.fused.kinds == ("affine4",) * 4 + ("scaled8",)
+def test_a_model_on_grids_gets_the_fused_step(executor: CpuExecutor) -> None:
+    assert executor.fused.kinds == ("affine4",) * 4 + ("scaled8",)
+    assert executor.compiled
     # Its 8-bit LM head picks greedy rows' tokens where that is faster than the logits.
-    assert (model.fused.argmax is not None) == cpu_argmax.fast()
-    assert model.lm_head_argmax is model.fused.argmax
+    assert (executor.fused.argmax is not None) == greedy_argmax.fast()
+    assert executor.argmax is executor.fused.argmax
+    # Every GEMM, the fused step's and layer by layer, sums in the one fixed order.
+    assert executor.fused.orders == tuple(
+        grid_gemm.fixed_order(k) for k in (256, 256, 256, 512, 256)
+    )
+    assert executor.layers[1].down.order == grid_gemm.fixed_order(512)
+    # The executor owns the weights: the model's dense GEMM copies are released.
+    model = executor.model
+    assert all(linear.weight.is_meta for layer in model.layers for linear in layer.linears())
 
 
-@pytest.mark.skipif(not cpu_argmax.fast(), reason="greedy rows are picked with AVX-512 VNNI")
+@pytest.mark.skipif(not greedy_argmax.fast(), reason="greedy rows are picked with AVX-512 VNNI")
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "layer-by-layer"])
 def test_greedy_rows_get_the_argmax_of_their_logits_without_them(
-    model: LlamaModel, fused: bool
+    executor: CpuExecutor, fused: bool
 ) -> None:
     """A decode, a 4-token draft and a prompt's rows, some greedy: each greedy row's token is
     the argmax of the logits a step without greedy rows gives; the other rows get the same
     logits as there."""
-    base = prefilled(model, [30, 50])
+    base = prefilled(executor, [30, 50])
     chunks = [(0, [11], 30), (1, [5, 6, 7, 8, 9], 50)]
     greedy = torch.tensor([True, True, False, True, True, False])
-    saved = model.fused
-    model.fused = saved if fused else None
-    try:
-        expected, tokens = base.copy().forward(model, chunks)
+    with fused_step_allowed(executor, fused):
+        expected, tokens = base.copy().forward(executor, chunks)
         assert tokens is None
-        logits, tokens = base.copy().forward(model, chunks, greedy)
-    finally:
-        model.fused = saved
+        logits, tokens = base.copy().forward(executor, chunks, greedy)
     assert tokens is not None
     assert tokens[greedy].tolist() == expected[greedy].argmax(dim=1).tolist()
     assert (tokens[~greedy] == -1).all()
     assert torch.equal(logits[~greedy], expected[~greedy])
 
 
-def test_greedy_rows_of_the_wrong_shape_are_refused(model: LlamaModel) -> None:
-    cache = prefilled(model, [20])
+def test_greedy_rows_of_the_wrong_shape_are_refused(executor: CpuExecutor) -> None:
+    cache = prefilled(executor, [20])
     with pytest.raises(ValueError, match=r"greedy has shape \(3,\), logits_indices \(2,\)"):
-        cache.forward(model, [(0, [1, 2], 20)], torch.ones(3, dtype=torch.bool))
+        cache.forward(executor, [(0, [1, 2], 20)], torch.ones(3, dtype=torch.bool))
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -166,21 +178,21 @@ def test_greedy_rows_of_the_wrong_shape_are_refused(model: LlamaModel) -> None:
     ],
 )
 def test_the_fused_step_gives_the_layered_logits_and_cache(
-    model: LlamaModel, new_tokens: list[int], threads: int
+    executor: CpuExecutor, new_tokens: list[int], threads: int
 ) -> None:
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         lengths = [20, 47, 33, 16, 90, 5, 64, 31][: len(new_tokens)]
-        base = prefilled(model, lengths)
+        base = prefilled(executor, lengths)
         gen = torch.Generator().manual_seed(sum(new_tokens))
         chunks = [
             (s, torch.randint(0, 512, (n,), generator=gen).tolist(), lengths[s])
             for s, n in enumerate(new_tokens)
         ]
         fused_cache, layered_cache = base.copy(), base.copy()
-        fused = run(fused_cache, model, chunks, fused=True)
-        layered = run(layered_cache, model, chunks, fused=False)
+        fused = run(fused_cache, executor, chunks, fused=True)
+        layered = run(layered_cache, executor, chunks, fused=False)
         assert torch.equal(fused, layered)
         assert fused_cache.equals(layered_cache)
     finally:
@@ -188,19 +200,20 @@ def test_the_fused_step_gives_the_layered_logits_and_cache(
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_row_comes_out_the_same_in_a_step_of_any_size(model: LlamaModel, threads: int) -> None:
+def test_a_row_comes_out_the_same_in_a_step_of_any_size(
+    executor: CpuExecutor, threads: int
+) -> None:
     """A decode's logits from the fused step of its one token equal those it gets beside a
-    prompt chunk that makes the step too large for it, where every GEMM is the library's:
-    the grid sums in the order the library takes for large calls (on CPUs where the
-    library sums small calls otherwise, the library alone would not give the same)."""
+    prompt chunk that makes the step too large for it, layer by layer, its GEMMs over
+    scratch rather than in one pass: every grid GEMM sums in the one fixed order."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        base = prefilled(model, [20, 5], room=model.fused.max_tokens + 16)
+        base = prefilled(executor, [20, 5], room=executor.fused.max_tokens + 16)
         decode = (0, [42], 20)
-        chunk = (1, [100 + i % 300 for i in range(model.fused.max_tokens + 8)], 5)
-        alone = run(base.copy(), model, [decode], fused=True)
-        crowded = run(base.copy(), model, [decode, chunk], fused=True)
+        chunk = (1, [100 + i % 300 for i in range(executor.fused.max_tokens + 8)], 5)
+        alone = run(base.copy(), executor, [decode], fused=True)
+        crowded = run(base.copy(), executor, [decode, chunk], fused=True)
         assert torch.equal(alone[0], crowded[0])
     finally:
         torch.set_num_threads(previous)
@@ -208,33 +221,31 @@ def test_a_row_comes_out_the_same_in_a_step_of_any_size(model: LlamaModel, threa
 
 @pytest.mark.parametrize("rows", [[1, 7, 40, 41], [41], []], ids=["some", "one", "none"])
 def test_rows_without_logits_skip_the_last_layers_mlp_and_change_nothing(
-    model: LlamaModel, rows: list[int]
+    executor: CpuExecutor, rows: list[int]
 ) -> None:
     """Two prompt chunks and a decode with logits (and greedy tokens) for a few rows only:
     the fused step runs the last layer's attention output and MLP for those rows alone,
     and gives them the logits and tokens the layer-by-layer step gives, with the same
     K/V."""
-    base = prefilled(model, [20, 5, 9], room=40)
+    base = prefilled(executor, [20, 5, 9], room=40)
     chunks = [(0, [42], 20), (1, [3 + i % 40 for i in range(30)], 5), (2, [8] * 11, 9)]
     greedy = torch.tensor([i % 2 == 0 for i in range(len(rows))], dtype=torch.bool)
     fused_cache, layered_cache = base.copy(), base.copy()
-    saved = model.fused
-    try:
-        fused = fused_cache.forward(model, chunks, greedy, rows)
-        model.fused = None
-        layered = layered_cache.forward(model, chunks, greedy, rows)
-    finally:
-        model.fused = saved
-    full = ~greedy if fused.tokens is not None else torch.ones(len(rows), dtype=torch.bool)
-    assert torch.equal(fused.logits[full], layered.logits[full])
-    if fused.tokens is not None:
-        assert torch.equal(fused.tokens, layered.tokens)
+    fused_logits, fused_tokens = fused_cache.forward(executor, chunks, greedy, rows)
+    with fused_step_allowed(executor, False):
+        layered_logits, layered_tokens = layered_cache.forward(executor, chunks, greedy, rows)
+    full = ~greedy if fused_tokens is not None else torch.ones(len(rows), dtype=torch.bool)
+    assert torch.equal(fused_logits[full], layered_logits[full])
+    if fused_tokens is not None:
+        assert torch.equal(fused_tokens, layered_tokens)
+    else:
+        assert layered_tokens is None
     assert fused_cache.equals(layered_cache)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_profiled_step_changes_nothing_and_counts_the_phases_it_ran(
-    model: LlamaModel, threads: int
+    executor: CpuExecutor, threads: int
 ) -> None:
     """With `step_profile` set, the step compiled with cycle counters gives the same tokens
     (or logits) and K/V, and every worker's cycles land in the phases the step ran: a
@@ -242,80 +253,89 @@ def test_a_profiled_step_changes_nothing_and_counts_the_phases_it_ran(
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        base = prefilled(model, [30, 50])
+        base = prefilled(executor, [30, 50])
         chunks = [(0, [11], 30), (1, [5, 6, 7, 8, 9], 50)]
         greedy = torch.ones(6, dtype=torch.bool)
         plain_cache, profiled_cache = base.copy(), base.copy()
-        plain = plain_cache.forward(model, chunks, greedy)
-        profile = np.zeros((threads, len(cpu_step.PHASES), 2), dtype=np.int64)
-        model.step_profile = profile
+        plain_logits, plain_tokens = plain_cache.forward(executor, chunks, greedy)
+        profile = np.zeros((threads, len(fused_step.PHASES), 2), dtype=np.int64)
+        executor.step_profile = profile
         try:
-            profiled = profiled_cache.forward(model, chunks, greedy)
+            logits, tokens = profiled_cache.forward(executor, chunks, greedy)
         finally:
-            model.step_profile = None
+            executor.step_profile = None
     finally:
         torch.set_num_threads(previous)
-    if cpu_argmax.fast():
-        assert torch.equal(profiled.tokens, plain.tokens)
-        ran = set(cpu_step.PHASES) - {"rows"}  # every row reaches the LM head
+    if greedy_argmax.fast():
+        assert tokens is not None and torch.equal(tokens, plain_tokens)
+        ran = set(fused_step.PHASES) - {"rows"}  # every row reaches the LM head
     else:
-        assert profiled.tokens is None and torch.equal(profiled.logits, plain.logits)
-        ran = set(cpu_step.PHASES) - {"rows", "approximate", "pick"}
+        assert tokens is None and torch.equal(logits, plain_logits)
+        ran = set(fused_step.PHASES) - {"rows", "approximate", "pick"}
     assert profiled_cache.equals(plain_cache)
     working = profile[:, :, 0] > 0
-    assert {cpu_step.PHASES[i] for i in range(len(cpu_step.PHASES)) if working[:, i].all()} == ran
-    assert not profile[:, [cpu_step.PHASES.index(p) for p in set(cpu_step.PHASES) - ran]].any()
+    assert {
+        fused_step.PHASES[i] for i in range(len(fused_step.PHASES)) if working[:, i].all()
+    } == ran
+    assert not profile[:, [fused_step.PHASES.index(p) for p in set(fused_step.PHASES) - ran]].any()
     assert (profile[:, :, 1] >= 0).all()
 
 
-def test_a_profile_of_the_wrong_shape_is_refused(model: LlamaModel) -> None:
-    cache = prefilled(model, [20])
-    model.step_profile = np.zeros((8, 3, 2), dtype=np.int64)
+def test_a_profile_of_the_wrong_shape_is_refused(executor: CpuExecutor) -> None:
+    cache = prefilled(executor, [20])
+    executor.step_profile = np.zeros((8, 3, 2), dtype=np.int64)
     try:
-        wanted = rf"profile must be int64 \[\d+ or more, {len(cpu_step.PHASES)}, 2\]"
+        wanted = rf"profile must be int64 \[\d+ or more, {len(fused_step.PHASES)}, 2\]"
         with pytest.raises(ValueError, match=wanted):
-            cache.forward(model, [(0, [1], 20)])
+            cache.forward(executor, [(0, [1], 20)])
     finally:
-        model.step_profile = None
+        executor.step_profile = None
 
 
 @pytest.mark.parametrize("length", [6, 90])
 def test_a_prompt_is_prefilled_in_one_fused_call(
-    model: LlamaModel, monkeypatch: pytest.MonkeyPatch, length: int
+    executor: CpuExecutor, monkeypatch: pytest.MonkeyPatch, length: int
 ) -> None:
     """Prompt tokens take the compiled attention kernels (runs of the verify kernel), so a
-    prompt step takes the fused step whatever the prompt's length (up to the rows the
-    loader gave the grid, which depend on the machine and threads: raised here)."""
-    grid_rows = max(model.fused.max_tokens, length)
-    monkeypatch.setattr(model, "fused", dataclasses.replace(model.fused, max_tokens=grid_rows))
+    prompt step takes the fused step whatever the prompt's length (up to its
+    `max_tokens`)."""
+    assert length <= executor.fused.max_tokens
     calls = []
-    real = cpu_step.fused_forward
-    monkeypatch.setattr(cpu_step, "fused_forward", lambda *a: calls.append(1) or real(*a))
+    real = fused_step.fused_forward
+    monkeypatch.setattr(fused_step, "fused_forward", lambda *a: calls.append(1) or real(*a))
     room = length + 16
-    fused_cache, layered_cache = (PagedCache(model.config, 1, room) for _ in range(2))
+    fused_cache, layered_cache = (PagedCache(executor.config, 1, room) for _ in range(2))
     prompt = [(0, [7 + i % 50 for i in range(length)], 0)]
     assert torch.equal(
-        run(fused_cache, model, prompt, fused=True), run(layered_cache, model, prompt, fused=False)
+        run(fused_cache, executor, prompt, fused=True),
+        run(layered_cache, executor, prompt, fused=False),
     )
     assert calls == [1]
     assert fused_cache.equals(layered_cache)
 
 
 def test_larger_steps_run_layer_by_layer(
-    model: LlamaModel, monkeypatch: pytest.MonkeyPatch
+    executor: CpuExecutor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def refuse(*args: object) -> None:
-        raise AssertionError("the fused step ran")
-
-    monkeypatch.setattr(cpu_step, "fused_forward", refuse)
+    """A step of more new tokens than the fused step's `max_tokens` (lowered here, so
+    that the step stays small) runs layer by layer; one of exactly that many does not."""
+    calls = []
+    real = fused_step.fused_forward
+    monkeypatch.setattr(fused_step, "fused_forward", lambda *a: calls.append(1) or real(*a))
     per_seq = 4  # every sequence on the compiled attention kernels: only the size stops it
-    num_seqs = model.fused.max_tokens // per_seq + 1
-    cache = prefilled(model, [20] * num_seqs)
-    run(cache, model, [(s, [1, 2, 3, 4], 20) for s in range(num_seqs)], fused=True)
+    num_seqs = 5
+    limit = per_seq * (num_seqs - 1)
+    monkeypatch.setattr(executor, "fused", dataclasses.replace(executor.fused, max_tokens=limit))
+    base = prefilled(executor, [20] * num_seqs)
+    chunks = [(s, [1, 2, 3, 4], 20) for s in range(num_seqs)]
+    run(base.copy(), executor, chunks, fused=True)
+    assert calls == []
+    run(base.copy(), executor, chunks[:-1], fused=True)
+    assert calls == [1]
 
 
-def test_a_slot_outside_the_cache_is_refused_by_name(model: LlamaModel) -> None:
-    cache = prefilled(model, [20])
+def test_a_slot_outside_the_cache_is_refused_by_name(executor: CpuExecutor) -> None:
+    cache = prefilled(executor, [20])
     slots = cache.kv_caches[0][0].shape[0] * BLOCK_SIZE
     attn = AttentionMetadata(
         slot_mapping=torch.tensor([slots + 3]),
@@ -325,59 +345,66 @@ def test_a_slot_outside_the_cache_is_refused_by_name(model: LlamaModel) -> None:
     )
     attn.validated = True  # past the first layer's checks: the kernel's own check
     with pytest.raises(ValueError, match=rf"slot {slots + 3} of token 0 is outside"):
-        model(torch.tensor([5]), torch.tensor([20]), cache.kv_caches, attn, torch.tensor([0]))
+        executor.forward(
+            torch.tensor([5]), torch.tensor([20]), cache.kv_caches, attn, torch.tensor([0])
+        )
 
 
 def test_weights_off_a_grid_or_with_biases_get_no_fused_step() -> None:
     on_grids = grid_model(seed=1)
-    assert on_grids.fused is not None
+    assert find_grids(on_grids) is not None
+    assert choose_mode(on_grids) == ("grid", True)
     plain = LlamaModel(on_grids.config).eval()
     with torch.no_grad():
         for parameter in plain.parameters():
             parameter.normal_(0, 0.05)
-    plain.pack_weights_mkl()
-    assert plain.fused is None
+    assert find_grids(plain) is None
+    executor = cpu.prepare(plain, BLOCK_SIZE)
+    if executor is not None:  # MKL's packed GEMMs (torch built with MKL)
+        assert executor.mode == "mkl" and executor.fused is None and executor.argmax is None
     # The same grid weights, with q/k/v biases: the fused step adds none.
-    assert grid_model(seed=1, pack=False)._grids() is not None
-    assert grid_model(seed=1, pack=False, attention_bias=True)._grids() is None
+    with_biases = grid_model(seed=1, attention_bias=True)
+    assert find_grids(with_biases) is None
+    assert choose_mode(with_biases) != ("grid", True)
 
 
 def test_the_default_model_takes_the_fused_step_with_the_same_logits(
     default_model_dir, caplog: pytest.LogCaptureFixture
 ) -> None:
     """SmolLM2 from its GGUF file: every GEMM weight on its Q4_1 or Q8_0 grid, one decode
-    and a sequence verifying a 4-token draft in one fused step; the load says so."""
+    and a sequence verifying a 4-token draft in one fused step; the executor says so."""
     from pagedinfer.service.loader import load_model
 
-    with caplog.at_level(logging.INFO, logger="pagedinfer.service.loader"):
-        model = load_model(str(default_model_dir)).model
-    assert model.fused is not None
-    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fused step")]
-    how = "picked without their logits" if cpu_argmax.fast() else "from their logits"
+    model = load_model(str(default_model_dir)).model
+    with caplog.at_level(logging.INFO, logger="pagedinfer.kernels.cpu.executor"):
+        executor = grid_executor(model)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CPU executor")]
     assert said == [
-        f"fused step: steps of up to {model.fused.max_tokens} tokens in one compiled call; "
-        f"greedy tokens {how} ({'AVX-512 VNNI' if cpu_argmax.fast() else 'no AVX-512 VNNI'})"
+        "CPU executor: grid GEMMs, compiled ops between them; steps of up to "
+        f"{executor.fused.max_tokens} tokens in one compiled call"
     ]
-    assert model.fused.kinds == ("affine4",) * 4 + ("scaled8",)
-    base = prefilled(model, [37, 120])
+    assert executor.fused.kinds == ("affine4",) * 4 + ("scaled8",)
+    assert (executor.argmax is not None) == greedy_argmax.fast()
+    base = prefilled(executor, [37, 120])
     chunks = [(0, [1000], 37), (1, [5, 6, 7, 8, 9], 120)]
     fused_cache, layered_cache = base.copy(), base.copy()
     assert torch.equal(
-        run(fused_cache, model, chunks, fused=True), run(layered_cache, model, chunks, fused=False)
+        run(fused_cache, executor, chunks, fused=True),
+        run(layered_cache, executor, chunks, fused=False),
     )
     assert fused_cache.equals(layered_cache)
 
 
 def test_the_caches_views_are_kept_while_the_caches_stay_and_made_anew_when_one_changes() -> None:
     caches = [(torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)) for _ in range(3)]
-    arrays = cpu_step.cache_arrays(caches)
-    assert cpu_step.cache_arrays(caches, arrays) is arrays
-    assert cpu_step.cache_arrays(list(caches), arrays) is arrays  # the same tensors
+    arrays = fused_step.cache_arrays(caches)
+    assert fused_step.cache_arrays(caches, arrays) is arrays
+    assert fused_step.cache_arrays(list(caches), arrays) is arrays  # the same tensors
     caches[0][0][1, 2] = 5.0  # views, not copies
     assert arrays.keys[0][1, 2].tolist() == [[5.0] * 8]
     replaced = [*caches[:2], (caches[2][0], torch.ones(2, 4, 1, 8))]
-    fresh = cpu_step.cache_arrays(replaced, arrays)
+    fresh = fused_step.cache_arrays(replaced, arrays)
     assert fresh is not arrays and fresh.values[2].sum() == 2 * 4 * 8
     assert np.shares_memory(fresh.keys[2], caches[2][0].numpy())
-    shorter = cpu_step.cache_arrays(caches[:2], arrays)
+    shorter = fused_step.cache_arrays(caches[:2], arrays)
     assert shorter is not arrays and len(shorter.keys) == len(shorter.values) == 2
