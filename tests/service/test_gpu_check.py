@@ -151,6 +151,7 @@ GENERATE = """
 import json, sys
 for name in sys.argv[1].split(","):
     sys.modules[name] = None  # importing it fails; importlib.util.find_spec says absent
+import pagedinfer.service.engine  # noqa: F401
 from pagedinfer.service import LLM, SamplingParams
 
 llm = LLM(sys.argv[2], max_model_len=128, num_gpu_blocks=32, max_num_batched_tokens=32)
