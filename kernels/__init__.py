@@ -81,6 +81,7 @@ def paged_attention(
     check_values: bool = True,
     validate: bool = True,
     plan: torch_ops.AttentionPlan | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of the packed new tokens over their paged contexts; returns out.
 
@@ -96,14 +97,19 @@ def paged_attention(
     check_values=False skips the checks that read the index tensors (a host sync on
     GPU); shape, dtype and device are checked unless validate=False, which skips every
     check (for a caller that validated the same batch already, as in `write_kv`).
-    plan: for the torch path, `torch_ops.plan_attention` of this batch, so that the
-    layers of one forward share the batch's bookkeeping; the Triton kernels ignore it.
+    plan: for the torch path, `torch_ops.plan_attention` of this batch (for the same
+    sliding_window), so that the layers of one forward share the batch's bookkeeping;
+    the Triton kernels ignore it.
+    sliding_window: None attends to the whole context; W attends, from position p, only
+    to positions k with p - W < k <= p (transformers' sliding-window causal mask).
+    Block-table columns wholly before the window of a sequence's earliest new token are
+    never read, so they may hold anything (the blocks of a freed window: -1).
     Raises ValueError naming the argument on bad input.
     """
     tensors = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     if validate:
-        check_paged_attention(*tensors, scale, out, check_values)
+        check_paged_attention(*tensors, scale, out, check_values, sliding_window=sliding_window)
     args = (*tensors, float(scale), out)
     if use_triton(query):
-        return _triton_ops().paged_attention(*args)
-    return torch_ops.paged_attention(*args, plan=plan)
+        return _triton_ops().paged_attention(*args, sliding_window=sliding_window)
+    return torch_ops.paged_attention(*args, plan=plan, sliding_window=sliding_window)

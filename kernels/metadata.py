@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,19 +25,26 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
     compiled: bool = False
-    # The torch path's grouping, indices and masks: the same for every layer, so they are
-    # built by the first layer's call and reused by the others.
-    plan: torch_ops.AttentionPlan | None = None
+    # The torch path's grouping, indices and masks: the same for every layer of one
+    # sliding window (None: full attention), so they are built by the first such layer's
+    # call and reused by the others.
+    plans: dict[int | None, torch_ops.AttentionPlan] = field(default_factory=dict)
     # Set once the first layer's kernel calls have checked the batch: the later layers'
     # tensors match in shape, dtype and device, so their calls skip the checks.
     validated: bool = False
 
     def plan_for(
-        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        sliding_window: int | None = None,
     ) -> torch_ops.AttentionPlan:
-        """The batch's attention plan for the torch path, made on the first call."""
-        if self.plan is None or self.plan.block_size != k_cache.shape[1]:
-            self.plan = torch_ops.plan_for(
+        """The batch's attention plan for the torch path and this layer's window, made on
+        the first call for that window."""
+        plan = self.plans.get(sliding_window)
+        if plan is None or plan.block_size != k_cache.shape[1]:
+            plan = torch_ops.plan_for(
                 query,
                 k_cache,
                 v_cache,
@@ -45,5 +52,7 @@ class AttentionMetadata:
                 self.seq_lens,
                 self.query_start_loc,
                 compiled=self.compiled,
+                sliding_window=sliding_window,
             )
-        return self.plan
+            self.plans[sliding_window] = plan
+        return plan

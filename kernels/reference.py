@@ -4,6 +4,11 @@ One Python loop per sequence, per context position (to fetch K/V through the blo
 table), per new token and per head: slow, but each line follows the contract's
 definitions directly, so it is easy to check by reading.
 Arithmetic is float64.
+
+Sliding window W (as transformers' `sliding_window_causal_mask_function`): the token at
+position p attends to the positions k with p - W < k <= p. Only positions some new token
+can see are fetched, so block-table entries wholly before every window (freed blocks)
+are never read.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ def paged_attention_reference(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     out = torch.zeros_like(query)
     num_heads = query.shape[1]
@@ -44,21 +50,27 @@ def paged_attention_reference(
     starts = query_start_loc.tolist()
     for seq, seq_len in enumerate(seq_lens.tolist()):
         table = block_tables[seq].tolist()
-        # Context position p of this sequence lives at slot table[p // B], p % B.
-        keys = torch.stack(
-            [k_cache[table[p // block_size], p % block_size] for p in range(seq_len)]
-        ).double()
-        values = torch.stack(
-            [v_cache[table[p // block_size], p % block_size] for p in range(seq_len)]
-        ).double()
         num_new = starts[seq + 1] - starts[seq]
+        if num_new == 0:
+            continue
+        # The first position the earliest new token sees; nothing before it is fetched.
+        first = 0
+        if sliding_window is not None:
+            first = max(0, seq_len - num_new - sliding_window + 1)
+        # Context position p of this sequence lives at slot table[p // B], p % B.
+        seen = range(first, seq_len)
+        keys = torch.stack([k_cache[table[p // block_size], p % block_size] for p in seen])
+        values = torch.stack([v_cache[table[p // block_size], p % block_size] for p in seen])
+        keys, values = keys.double(), values.double()
         for i in range(num_new):
             token = starts[seq] + i
             position = seq_len - num_new + i  # the new tokens are the last positions
+            lo = 0 if sliding_window is None else max(0, position - sliding_window + 1)
             for head in range(num_heads):
                 kv_head = head // group
                 scores = keys[:, kv_head] @ query[token, head].double() * scale
-                scores[position + 1 :] = -math.inf  # causal: nothing after this token
+                scores[position + 1 - first :] = -math.inf  # causal: nothing after this token
+                scores[: max(lo - first, 0)] = -math.inf  # nothing before its window
                 weights = torch.softmax(scores, dim=0)
                 out[token, head] = (weights @ values[:, kv_head]).to(query.dtype)
     return out

@@ -46,6 +46,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pagedinfer.kernels.validation import first_visible_block
+
 
 def write_kv(
     key: torch.Tensor,
@@ -127,6 +129,7 @@ class AttentionPlan:
     decodes: _Decodes | None = None  # None: every decode is in a group
     runs: _Runs | None = None  # None: no verify kernel
     verify_rows: int = 0  # the longest run
+    sliding_window: int | None = None  # the window its masks and gathers were built for
 
 
 # Where the verify kernel takes runs of new tokens, every sequence goes to the compiled
@@ -194,13 +197,21 @@ def plan_for(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     compiled: bool = True,
+    sliding_window: int | None = None,
 ) -> AttentionPlan:
     """The plan `paged_attention` makes when given none: the compiled kernels wherever
-    these tensors allow them (compiled=False: plain torch ops only)."""
-    compiled = compiled and compiled_decode(query, k_cache, v_cache)
+    these tensors allow them (compiled=False: plain torch ops only). The compiled kernels
+    attend to whole contexts, so a sliding window keeps every sequence on plain torch ops."""
+    compiled = compiled and sliding_window is None and compiled_decode(query, k_cache, v_cache)
     verify_rows = compiled_verify_rows(query, k_cache) if compiled else 0
     return plan_attention(
-        block_tables, seq_lens, query_start_loc, k_cache.shape[1], compiled, verify_rows
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        k_cache.shape[1],
+        compiled,
+        verify_rows,
+        sliding_window=sliding_window,
     )
 
 
@@ -211,6 +222,8 @@ def plan_attention(
     block_size: int,
     compiled: bool = False,
     verify_rows: int = 0,
+    *,
+    sliding_window: int | None = None,
 ) -> AttentionPlan:
     """Group the sequences and build every index and mask the layers will need.
 
@@ -219,7 +232,12 @@ def plan_attention(
     with up to COMPILED_MAX_QUERY new tokens. verify_rows: with compiled, the verify
     kernel takes their tokens in runs of up to this many (`compiled_verify_rows`); 0
     gives every token a row of its own.
+    sliding_window: new token at position p sees positions p - W < k <= p; each sequence
+    gathers only the blocks from the first one its earliest new token sees. The compiled
+    kernels have no window: compiled must be False with one.
     """
+    if compiled and sliding_window is not None:
+        raise ValueError("sliding_window: the compiled CPU kernels attend to whole contexts")
     decodes = runs = None
     if compiled:
         # The compiled kernels' share in numpy: a few dozen small ops, each a fraction of
@@ -244,11 +262,23 @@ def plan_attention(
     query_lens = starts[1:] - starts[:-1]
     if compiled:
         query_lens = torch.where(torch.from_numpy(short), 0, query_lens)  # no group of their own
+    first_block = first_visible_block(seq_lens, query_lens, block_size, sliding_window)
+    window = _Window(sliding_window, first_block) if sliding_window is not None else None
+    # Grouped by the context each sequence gathers: from its first visible block on.
+    gathered = seq_lens - first_block * block_size
     groups = [
-        _plan_group(seq_ids, block_tables, seq_lens, query_lens, starts, block_size)
-        for seq_ids in _length_groups(query_lens, seq_lens)
+        _plan_group(seq_ids, block_tables, seq_lens, query_lens, starts, block_size, window)
+        for seq_ids in _length_groups(query_lens, gathered)
     ]
-    return AttentionPlan(groups, block_size, decodes, runs, verify)
+    return AttentionPlan(groups, block_size, decodes, runs, verify, sliding_window)
+
+
+@dataclass
+class _Window:
+    """A sliding window of `size` tokens, and per sequence the first block it gathers."""
+
+    size: int
+    first_block: torch.Tensor  # int64 [num_seqs]
 
 
 def _tokens_in_runs(query_lens: np.ndarray, verify_rows: int) -> np.ndarray:
@@ -324,27 +354,41 @@ def _plan_group(
     query_lens: torch.Tensor,
     starts: torch.Tensor,
     block_size: int,
+    window: _Window | None = None,
 ) -> _Group:
     device = seq_lens.device
     lens, qlens = seq_lens[seq_ids], query_lens[seq_ids]
     num_seqs = lens.shape[0]
-    num_blocks = (int(lens.max()) + block_size - 1) // block_size
+    blocks_needed = (lens + block_size - 1) // block_size
+    # Each sequence gathers its blocks from `first` on (0 without a window): blocks wholly
+    # before the window of its earliest new token are neither read nor padded for.
+    if window is None:
+        first = torch.zeros_like(lens)
+        num_blocks = int(blocks_needed.max())
+        cols = torch.arange(num_blocks, device=device)[None, :].expand(num_seqs, -1)
+        table = block_tables[seq_ids, :num_blocks].long()
+    else:
+        first = window.first_block[seq_ids]
+        num_blocks = int((blocks_needed - first).max())
+        cols = first[:, None] + torch.arange(num_blocks, device=device)[None, :]
+        width = block_tables.shape[1]
+        table = block_tables[seq_ids].long().gather(1, cols.clamp(max=width - 1))
     ctx = num_blocks * block_size
+    begin = first * block_size  # context position of each sequence's first gathered slot
     # Whole blocks in one gather. Table entries past a sequence's end may hold anything.
-    # They are redirected to the sequence's own first block when that one is full: every
-    # slot of it was written by the sequence, so the masked copies hold nothing its
-    # visible positions do not (no other request's NaN can leak in) and need no zeroing.
-    # Sequences shorter than a block have no such block: theirs point at block 0 and
-    # are zeroed after the gather.
-    table = block_tables[seq_ids, :num_blocks].long()
-    used = torch.arange(num_blocks, device=device)[None, :] * block_size < lens[:, None]
-    first_full = lens >= block_size
+    # They are redirected to the sequence's own first gathered block when that one is
+    # full: every slot of it was written by the sequence, so the masked copies hold
+    # nothing its visible positions do not (no other request's NaN can leak in) and need
+    # no zeroing. Sequences whose first gathered block is not full have no such block:
+    # theirs point at block 0 and are zeroed after the gather.
+    used = cols < blocks_needed[:, None]
+    first_full = lens >= begin + block_size
     own = torch.where(first_full, table[:, 0], 0)
     table = torch.where(used, table, own[:, None]).flatten()
     unused_blocks = (~used & ~first_full[:, None]).flatten().nonzero().flatten()
-    # The unwritten end of each sequence's last block.
-    last_block_end = (lens + block_size - 1) // block_size * block_size
-    position = torch.arange(ctx, device=device)[None, :]
+    # Context position of each gathered slot, and the unwritten end of each last block.
+    last_block_end = blocks_needed * block_size
+    position = begin[:, None] + torch.arange(ctx, device=device)[None, :]
     tail = (position >= lens[:, None]) & (position < last_block_end[:, None])
     tail_rows = tail.flatten().nonzero().flatten()
     # query_rows[s, i]: the query row of new token i of sequence s (0 where s has fewer).
@@ -356,14 +400,22 @@ def _plan_group(
     valid_index = None if all_valid else valid.flatten().nonzero().flatten()
     out_rows = query_rows if all_valid else query_rows[valid_index]
     decode = max_new == 1
+    # A window binds only where some new token has more than `size` positions before it.
+    windowed = window is not None and int(lens.max()) > window.size
     if decode:
-        visible = (position < lens[:, None])[:, None, None, :]
-    elif bool((qlens == lens).all()):
+        visible = position < lens[:, None]
+        if windowed:
+            visible &= position > (lens - 1 - window.size)[:, None]
+        visible = visible[:, None, None, :]
+    elif bool((qlens == lens).all()) and not windowed:
         visible = None  # fresh prompts: is_causal
     else:
         # New token i of a sequence sits at position len - qlen + i.
         query_pos = (lens - qlens)[:, None] + offsets
-        visible = (position[:, None, :] <= query_pos[:, :, None])[:, None]
+        visible = position[:, None, :] <= query_pos[:, :, None]
+        if windowed:
+            visible &= position[:, None, :] > (query_pos - window.size)[:, :, None]
+        visible = visible[:, None]
     mask = None
     if visible is not None:
         mask = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
@@ -392,19 +444,32 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     plan: AttentionPlan | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention of the packed new tokens over their paged contexts (see the package doc).
 
-    plan: from `plan_attention` on the same block_tables, seq_lens and query_start_loc
-    (with compiled decodes only where `compiled_decode` allows them); made here when
-    not given.
+    plan: from `plan_attention` on the same block_tables, seq_lens, query_start_loc and
+    sliding_window (with compiled decodes only where `compiled_decode` allows them); made
+    here when not given.
     """
     if out is None:
         out = torch.empty_like(query)
     if query.shape[0] == 0:
         return out
     if plan is None:
-        plan = plan_for(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+        plan = plan_for(
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            sliding_window=sliding_window,
+        )
+    elif plan.sliding_window != sliding_window:
+        raise ValueError(
+            f"plan: made for sliding_window={plan.sliding_window}, called with {sliding_window}"
+        )
     _run_compiled(plan, query, k_cache, v_cache, scale, out)
     num_heads, head_dim = query.shape[1], query.shape[2]
     dtype = compute_dtype(query.dtype, k_cache.dtype)

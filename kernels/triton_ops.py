@@ -13,6 +13,9 @@ prefix-cache hit (the design follows vLLM's unified attention kernel):
 - Online softmax in base 2, causal masking of the new tokens, K/V loads masked beyond
   the causal limit (unwritten slots may hold NaN; masked loads never read them), and
   int64 offsets (a large cache overflows int32).
+- Sliding window (SLIDING): a program starts at the tile holding the first position its
+  earliest row sees, masks loads before that position (block-table entries there may
+  be freed: -1) and masks each row to its own window, p - W < k <= p.
 - Split-KV (flash decoding): a third grid axis cuts each sequence's context into
   NUM_SPLITS parts that write partial results, merged by `_reduce_splits_kernel`.
   Chosen for decode batches with too few (sequence, KV head) pairs to fill the GPU.
@@ -159,6 +162,7 @@ def _paged_attention_kernel(
     query_start_loc_ptr,
     num_seqs,
     scale_log2,
+    sliding_window,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -185,6 +189,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -223,10 +228,16 @@ def _paged_attention_kernel(
     # Causal limit of the whole tile: the last valid row's position, plus one.
     last_offset = tl.minimum((q_block + 1) * BLOCK_Q, query_len) - 1
     kv_end = context_len + last_offset + 1
-    num_tiles = tl.cdiv(kv_end, TILE)
+    if SLIDING:
+        # The first position the tile's earliest row sees: tiles before it are skipped.
+        kv_begin = tl.maximum(context_len + q_block * BLOCK_Q - sliding_window + 1, 0)
+    else:
+        kv_begin = context_len * 0
+    first_tile = kv_begin // TILE
+    num_tiles = tl.cdiv(kv_end, TILE) - first_tile
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_begin = split * tiles_per_split
-    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+    tile_begin = first_tile + split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, first_tile + num_tiles)
 
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_k = k_cache_ptr + kv_head.to(tl.int64) * stride_kch
@@ -237,7 +248,7 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], dtype=tl.float32)
     for tile in range(tile_begin, tile_end):
         positions = tile * TILE + tl.arange(0, TILE)
-        in_context = positions < kv_end
+        in_context = (positions < kv_end) & (positions >= kv_begin)
         physical = tl.load(table_row + positions // BLOCK_SIZE, mask=in_context, other=0)
         slot_k = physical.to(tl.int64) * stride_kcb + (positions % BLOCK_SIZE) * stride_kco
         slot_v = physical.to(tl.int64) * stride_vcb + (positions % BLOCK_SIZE) * stride_vco
@@ -249,6 +260,8 @@ def _paged_attention_kernel(
             v = v.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         visible = (positions[None, :] <= row_position[:, None]) & in_context[None, :]
+        if SLIDING:
+            visible = visible & (positions[None, :] > row_position[:, None] - sliding_window)
         scores = tl.where(visible, scores, float("-inf"))
 
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
@@ -368,6 +381,7 @@ def attention_meta(
     dtype: torch.dtype,
     decode_only: bool,
     num_splits: int,
+    sliding: bool = False,
 ) -> dict:
     """Compile-time constants and launch options of `_paged_attention_kernel` (heuristics)."""
     group = num_heads // num_kv_heads
@@ -387,6 +401,7 @@ def attention_meta(
         "UPCAST": _INTERPRETED,
         # fp32 inputs get exact fp32 products (tf32 would cost ~1e-3 of accuracy).
         "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "SLIDING": sliding,
         # Prefill tiles need 8 warps to stay in registers (ptxas spills at 4 on sm_90).
         "num_warps": 4 if decode_only else 8,
         "num_stages": 2,
@@ -403,8 +418,10 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Triton paged attention; `num_splits` overrides the split-KV heuristic (tests)."""
+    """Triton paged attention; `num_splits` overrides the split-KV heuristic (tests).
+    sliding_window: see `pagedinfer.kernels.paged_attention`."""
     if out is None:
         out = torch.empty_like(query)
     num_tokens, num_heads, head_dim = query.shape
@@ -414,13 +431,22 @@ def paged_attention(
     num_seqs = seq_lens.shape[0]
     decode_only = num_tokens == num_seqs
     max_context = block_tables.shape[1] * block_size
+    if sliding_window is not None:
+        max_context = min(max_context, sliding_window)  # a decode reads at most its window
     if num_splits is None:
         num_splits = choose_num_splits(
             num_tokens, num_seqs, num_kv_heads, max_context, query.device
         )
 
     meta = attention_meta(
-        num_heads, num_kv_heads, head_dim, block_size, query.dtype, decode_only, num_splits
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        query.dtype,
+        decode_only,
+        num_splits,
+        sliding=sliding_window is not None,
     )
     grid = (num_tokens // meta["BLOCK_Q"] + num_seqs, num_kv_heads, num_splits)
 
@@ -447,6 +473,7 @@ def paged_attention(
         query_start_loc,
         num_seqs,
         scale * 1.4426950408889634,  # log2(e): the softmax runs in base 2
+        sliding_window or 0,
         *query.stride(),
         *out.stride(),
         *k_cache.stride(),

@@ -2,7 +2,8 @@
 
 Every problem raises ValueError naming the offending argument, before any kernel runs.
 Shape, dtype and device checks read only tensor metadata. Value checks (query spans,
-block-table width, block ids in range) read the index tensors; on a GPU that costs one
+block-table width, block ids in range for the blocks some new token reads: with a
+sliding window, not those wholly before it) read the index tensors; on a GPU that costs one
 host sync, which callers that build the metadata themselves can skip with
 `check_values=False`.
 """
@@ -99,8 +100,10 @@ def check_paged_attention(
     scale: object,
     out: object,
     check_values: bool = True,
+    sliding_window: object = None,
 ) -> None:
     """Validate the arguments of `paged_attention`."""
+    check_sliding_window(sliding_window)
     check_cache_pair(k_cache, v_cache)
     _check_tensor("query", query, 3, FLOAT_DTYPES)
     _check_tensor("block_tables", block_tables, 2, INDEX_DTYPES)
@@ -141,8 +144,45 @@ def check_paged_attention(
         _check_device("out", out, k_cache.device)
     if check_values:
         _check_paged_values(
-            num_tokens, num_blocks, block_size, block_tables, seq_lens, query_start_loc
+            num_tokens,
+            num_blocks,
+            block_size,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            sliding_window if isinstance(sliding_window, int) else None,
         )
+
+
+def check_sliding_window(sliding_window: object) -> None:
+    """sliding_window: None (full attention) or a positive int, the window in tokens."""
+    if sliding_window is None:
+        return
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+        _fail(
+            "sliding_window",
+            f"expected a positive int or None, got {type(sliding_window).__name__}",
+        )
+    if sliding_window < 1:
+        _fail("sliding_window", f"must be at least 1, got {sliding_window}")
+
+
+def first_visible_block(
+    seq_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    block_size: int,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """int64 per sequence: the first block-table column any of its new tokens reads.
+
+    0 without a window; with window W, the block of position len - qlen - W + 1, the
+    earliest new token's first visible position. Columns before it may hold anything
+    (the blocks of a freed window) and are never read.
+    """
+    if sliding_window is None:
+        return torch.zeros_like(seq_lens, dtype=torch.long)
+    first = (seq_lens.long() - query_lens.long() - sliding_window + 1).clamp(min=0)
+    return first // block_size
 
 
 def _check_paged_values(
@@ -152,6 +192,7 @@ def _check_paged_values(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
+    sliding_window: int | None,
 ) -> None:
     # Everything is folded into one small CPU tensor so a GPU pays a single sync.
     qsl = query_start_loc.long()
@@ -160,6 +201,9 @@ def _check_paged_values(
     blocks_needed = (lens + block_size - 1) // block_size
     cols = torch.arange(block_tables.shape[1], device=block_tables.device)
     needed = cols[None, :] < blocks_needed[:, None]
+    if sliding_window is not None:
+        first = first_visible_block(lens, query_lens, block_size, sliding_window)
+        needed &= cols[None, :] >= first[:, None]
     bad_ids = needed & ((block_tables < 0) | (block_tables >= num_blocks))
     zero = torch.zeros((), dtype=torch.long, device=qsl.device)
     flags = torch.stack(
