@@ -66,6 +66,8 @@ class _Group:
     cache_salt: str | None
     samples: dict[int, _Sample] = field(default_factory=dict)  # forked so far
     finished: set[int] = field(default_factory=set)
+    prompt_logprobs: list[dict] | None = None  # with params.prompt_logprobs: so far
+    prompt_logprobs_sent: bool = False
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -174,6 +176,8 @@ class LLMEngine:
                 detail = "" if owner == sample_id == request_id else f" (by request {owner!r})"
                 raise ValueError(f"request_id {sample_id!r} is already in use{detail}")
         group = _Group(request_id, params, request.prompt_token_ids, request.cache_salt)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = []
         self.scheduler.add_request(request)
         group.samples[0] = self._new_sample(request, group, 0)
         self._groups[request_id] = group
@@ -212,7 +216,13 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
+        now = time.monotonic()
+        for s in out.scheduled:
+            if s.request.first_scheduled_at is None:
+                s.request.first_scheduled_at = now
         model_out = self.runner.execute(out)
+        for request_id, (first, entries) in model_out.prompt_logprobs.items():
+            self._add_prompt_logprobs(self._groups[self._owner[request_id]], first, entries)
         drafts = {s.request.request_id: s.draft_token_ids for s in out.scheduled}
         # Each sample's new tokens are checked for stops before the scheduler sees them.
         checked: list[tuple[_Group, int, NewTokens]] = []
@@ -285,6 +295,14 @@ class LLMEngine:
                 checkpoints[req].rewind(len(results))  # one draw per kept token
         return picks
 
+    @staticmethod
+    def _add_prompt_logprobs(group: _Group, first: int, entries: list[dict]) -> None:
+        """Keep the entries of prompt tokens first, first + 1, ... not kept yet: a
+        request preempted during its prompt computes (and scores) it again."""
+        assert group.prompt_logprobs is not None
+        new = len(group.prompt_logprobs) - (first - 1)
+        group.prompt_logprobs.extend(entries[max(new, 0) :])
+
     # -- samples -------------------------------------------------------------------------
 
     def _new_sample(self, request: Request, group: _Group, index: int) -> _Sample:
@@ -313,6 +331,11 @@ class LLMEngine:
         reason: str | None,
     ) -> CompletionDelta:
         sample = group.samples[index]
+        request = sample.request
+        prompt_logprobs = None
+        if group.prompt_logprobs is not None and token_ids and not group.prompt_logprobs_sent:
+            prompt_logprobs, group.prompt_logprobs_sent = group.prompt_logprobs, True
+        queued = request.first_scheduled_at
         delta = CompletionDelta(
             request_id=group.request_id,
             index=index,
@@ -321,8 +344,10 @@ class LLMEngine:
             logprobs=logprobs,
             finish_reason=reason,
             prompt_tokens=len(group.prompt_token_ids),
-            completion_tokens=sample.request.num_output_tokens,
-            cached_tokens=sample.request.num_cached_tokens,
+            completion_tokens=request.num_output_tokens,
+            cached_tokens=request.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
+            queue_time=None if queued is None else queued - request.arrival_time,
         )
         if reason is not None:
             group.finished.add(index)

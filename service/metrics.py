@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
@@ -27,6 +27,11 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Span, Status, StatusCode
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from pagedinfer.service.vllm_metrics import VllmMetrics
 
 SCOPE = "pagedinfer.service"
 
@@ -176,6 +181,8 @@ class RequestTelemetry:
     first_token_at: float | None = None
     samples: dict[int, _Sample] = field(default_factory=dict)
     finish_reasons: dict[int, str] = field(default_factory=dict)
+    vllm: VllmMetrics | None = None  # the vLLM-named series, fed alongside
+    _queue_recorded: bool = False
     _ended: bool = False
 
     def queued(self, prompt_tokens: int) -> None:
@@ -190,24 +197,38 @@ class RequestTelemetry:
         completion_tokens: int,
         cached_tokens: int,
         finish_reason: str | None,
+        queue_time: float | None = None,
     ) -> None:
+        """queue_time: seconds the request waited before it was first scheduled, once
+        known (recorded once)."""
         now = self.clock()
         sample = self.samples.setdefault(index, _Sample())
+        if queue_time is not None and not self._queue_recorded:
+            self._queue_recorded = True
+            if self.vllm is not None:
+                self.vllm.queued(queue_time)
         if num_new_tokens:
             if self.first_token_at is None:
                 self.first_token_at = now
                 self.cached_tokens = cached_tokens
                 ttft = now - self.started_at
                 self.metrics.time_to_first_token.record(ttft, self.attributes)
+                if self.vllm is not None:
+                    self.vllm.first_token(ttft)
                 self.span.add_event(
                     "prefill", {"cached_tokens": cached_tokens, "time_to_first_token_s": ttft}
                 )
             if sample.first_token_at is None:
                 sample.first_token_at = now
+            elif self.vllm is not None:
+                assert sample.last_token_at is not None
+                self.vllm.new_tokens(now - sample.last_token_at, num_new_tokens)
             sample.last_token_at = now
         sample.completion_tokens = completion_tokens
         if finish_reason is not None:
             self.finish_reasons[index] = finish_reason
+            if self.vllm is not None:
+                self.vllm.sample_finished(finish_reason)
             if sample.completion_tokens > 1 and finish_reason != "abort":
                 assert sample.first_token_at is not None and sample.last_token_at is not None
                 tpot = (sample.last_token_at - sample.first_token_at) / (
@@ -226,6 +247,8 @@ class RequestTelemetry:
             attributes["error.type"] = error_type
         self.metrics.request_duration.record(now - self.started_at, attributes)
         output_tokens = sum(s.completion_tokens for s in self.samples.values())
+        if self.vllm is not None:
+            self.vllm.request_finished(now - self.started_at, self.prompt_tokens, output_tokens)
         if self.prompt_tokens:
             self.metrics.token_usage.record(
                 self.prompt_tokens, {**self.attributes, "gen_ai.token.type": "input"}
@@ -274,6 +297,8 @@ class Telemetry:
         self.metrics = ServerMetrics(self.meter_provider, stats)
         self.clock = clock
         self.metrics_port: int | None = None  # the bound scrape port, once serving
+        self.registry: CollectorRegistry | None = None  # what /metrics pages show
+        self.vllm: VllmMetrics | None = None
         self._http_server: Any = None
         self._http_thread: threading.Thread | None = None
 
@@ -298,6 +323,7 @@ class Telemetry:
             attributes=attributes,
             clock=self.clock,
             started_at=self.clock(),
+            vllm=self.vllm,
         )
 
     def serve_prometheus(self, registry: Any, host: str, port: int) -> int:
@@ -333,18 +359,23 @@ def create_telemetry(
     host: str,
     metrics_port: int | None,
     environ: dict[str, str] | None = None,
+    prometheus: bool = False,
 ) -> Telemetry:
     """The server's telemetry: Prometheus on `metrics_port` (None: off), OTLP when set.
 
-    The OTLP exporters read their endpoint, headers, TLS and timeout settings from the
-    standard OTEL_EXPORTER_OTLP_* variables themselves.
+    The Prometheus registry (`telemetry.registry`, with the vLLM-named series beside
+    ours) exists when `metrics_port` is given or `prometheus` asks for it (the HTTP
+    API serves it too). The OTLP exporters read their endpoint, headers, TLS and
+    timeout settings from the standard OTEL_EXPORTER_OTLP_* variables themselves.
     """
     from prometheus_client import CollectorRegistry
+
+    from pagedinfer.service.vllm_metrics import VllmMetrics
 
     readers: list[MetricReader] = []
     processors: list[SpanProcessor] = []
     registry = None
-    if metrics_port is not None:
+    if metrics_port is not None or prometheus:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
 
         registry = CollectorRegistry()
@@ -360,5 +391,8 @@ def create_telemetry(
         processors.append(BatchSpanProcessor(OTLPSpanExporter()))
     telemetry = Telemetry(stats, metric_readers=readers, span_processors=processors)
     if registry is not None:
+        telemetry.registry = registry
+        telemetry.vllm = VllmMetrics(registry, stats)
+    if metrics_port is not None:
         telemetry.serve_prometheus(registry, host, metrics_port)
     return telemetry

@@ -8,7 +8,7 @@ It knows nothing about scheduling or sampling.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -18,7 +18,7 @@ from pagedinfer.service.config import EngineConfig
 from pagedinfer.service.loader import LoadedModel
 from pagedinfer.service.models.llama import AttentionMetadata, ModelConfig
 from pagedinfer.service.request import Request
-from pagedinfer.service.sampler import argmax_only
+from pagedinfer.service.sampler import argmax_only, prompt_logprobs
 from pagedinfer.service.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,9 @@ class ModelOutput:
     # int64 [sum(num_rows)] or None: the argmax of a row that only needs it, picked
     # without its logits (whose row is then unwritten); -1 for every other row.
     tokens: torch.Tensor | None = None
+    # Request id -> (t, entries): the logprobs of prompt tokens t, t + 1, ... computed
+    # this step, for requests with `prompt_logprobs` (sampler.prompt_logprobs).
+    prompt_logprobs: dict[str, tuple[int, list[dict]]] = field(default_factory=dict)
 
 
 def kv_block_bytes(loaded: LoadedModel, block_size: int, dtype: torch.dtype) -> int:
@@ -132,11 +135,26 @@ class ModelRunner:
             inputs.logits_indices,
             inputs.greedy,
         )
+        logits = logits.float().cpu()
+        scored: dict[str, tuple[int, list[dict]]] = {}
+        if inputs.prompt_rows:  # the rows after the sampled ones
+            row = sum(inputs.num_rows)
+            for req, first, count in inputs.prompt_rows:
+                targets = req.prompt_token_ids[first + 1 : first + 1 + count]
+                k = req.sampling_params.prompt_logprobs
+                scored[req.request_id] = (
+                    first + 1,
+                    prompt_logprobs(logits[row : row + count], targets, k),
+                )
+                row += count
+            logits = logits[: sum(inputs.num_rows)]
+            tokens = None if tokens is None else tokens[: sum(inputs.num_rows)]
         return ModelOutput(
-            logits.float().cpu(),
+            logits,
             inputs.sample_requests,
             inputs.num_rows,
             None if tokens is None else tokens.cpu(),
+            scored,
         )
 
     def _prepare(self, out: SchedulerOutput) -> _Inputs:
@@ -146,6 +164,10 @@ class ModelRunner:
         sample_requests: list[Request] = []
         num_rows: list[int] = []
         greedy: list[bool] = []  # per logits row: only its argmax is used
+        # (request, first position, count): prompt positions whose logits score the
+        # next prompt token, for requests with prompt_logprobs.
+        prompt_rows: list[tuple[Request, int, int]] = []
+        prompt_indices: list[int] = []
         max_blocks = max(len(s.request.block_table) for s in out.scheduled)
         block_tables = np.zeros((len(out.scheduled), max_blocks), dtype=np.int32)
         for i, s in enumerate(out.scheduled):
@@ -165,6 +187,13 @@ class ModelRunner:
                 sample_requests.append(req)
                 num_rows.append(1 + len(draft))
                 greedy.extend([argmax_only(req.sampling_params)] * (1 + len(draft)))
+            if req.sampling_params.prompt_logprobs is not None:
+                last = min(known_end, req.num_prompt_tokens - 1)
+                if start < last:
+                    prompt_rows.append((req, start, last - start))
+                    prompt_indices.extend(range(starts[-2], starts[-2] + last - start))
+        logits_indices += prompt_indices
+        greedy += [False] * len(prompt_indices)
 
         def tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
             return torch.from_numpy(a).to(device=self.device, dtype=dtype)
@@ -183,6 +212,7 @@ class ModelRunner:
             sample_requests=sample_requests,
             num_rows=num_rows,
             greedy=torch.from_numpy(np.asarray(greedy, dtype=bool)),
+            prompt_rows=prompt_rows,
         )
 
 
@@ -195,3 +225,4 @@ class _Inputs:
     sample_requests: list[Request]
     num_rows: list[int]
     greedy: torch.Tensor  # bool, per logits row (on the CPU)
+    prompt_rows: list[tuple[Request, int, int]]

@@ -18,6 +18,10 @@ class CompletionDelta:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # On the first delta with tokens, for a request with prompt_logprobs: entry i is
+    # prompt token i + 1's (sampler.prompt_logprobs); nothing predicts the first.
+    prompt_logprobs: list[dict] | None = None
+    queue_time: float | None = None  # seconds from arrival to first being scheduled
 
     @classmethod
     def aborted(cls, request_id: str, index: int, prompt_tokens: int = 0) -> CompletionDelta:
@@ -44,6 +48,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     cached_tokens: int = 0
+    prompt_logprobs: list[dict] | None = None  # as CompletionDelta's
 
     @property
     def finished(self) -> bool:
@@ -56,6 +61,8 @@ class RequestOutput:
         sample.text += delta.text
         if delta.logprobs is not None:
             sample.logprobs = (sample.logprobs or []) + delta.logprobs
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is not None:
             sample.finish_reason = delta.finish_reason
         self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)

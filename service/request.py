@@ -55,6 +55,7 @@ class Request:
     num_cached_tokens: int = field(default=0, init=False)  # prefix-cache hit at latest admission
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
     block_table: list[int] = field(default_factory=list, init=False)
+    first_scheduled_at: float | None = field(default=None, init=False)  # monotonic seconds
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -326,6 +327,24 @@ def _build_results(
         else:
             results.append(SampleResult(token, None, None))
     return results
+
+
+def prompt_logprobs(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> list[dict[str, Any]]:
+    """The logprob entries of prompt tokens: row i of logits [len(token_ids), vocab] is
+    what the model predicted for token_ids[i]. As for sampled tokens, the raw
+    log_softmax, with the k most likely tokens (`{"token_id", "logprob", "top"}`)."""
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(list(token_ids), dtype=torch.int64, device=raw.device)
+    chosen = raw.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+    top: list[list[tuple[int, float]]] = [[] for _ in chosen]
+    if k > 0:
+        values, indices = raw.topk(k, dim=-1)
+        pairs = zip(indices.tolist(), values.tolist(), strict=True)
+        top = [list(zip(i, v, strict=True)) for i, v in pairs]
+    return [
+        {"token_id": t, "logprob": lp, "top": entries}
+        for t, lp, entries in zip(token_ids, chosen, top, strict=True)
+    ]
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:

@@ -23,6 +23,9 @@ class SamplingParams:
 
     temperature 0 means greedy. top_k -1 (or 0) disables top-k. logprobs None returns
     none; an integer k returns the chosen token's logprob and the k most likely ones.
+    prompt_logprobs k does the same for every prompt token after the first (what the
+    model predicted there; `echo` of the HTTP API's completions); such a prompt is
+    computed in full, not read from the prefix cache.
     """
 
     max_tokens: int = 16
@@ -39,6 +42,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         for name in FLOAT_FIELDS:
@@ -79,6 +83,12 @@ class SamplingParams:
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -172,7 +172,10 @@ class Scheduler:
         # Admit nothing in a step that had to preempt: memory is short.
         while self.waiting and not preempted and budget > 0 and len(self.running) < max_seqs:
             request = self.waiting[0]
-            hits = self.kv_cache.get_computed_blocks(request)
+            # A prompt whose logprobs are asked for is computed in full: blocks read from
+            # the prefix cache would give no logits.
+            scoring = request.sampling_params.prompt_logprobs is not None
+            hits = [] if scoring else self.kv_cache.get_computed_blocks(request)
             num_cached = len(hits) * self.config.block_size
             num_tokens = min(request.num_tokens - num_cached, budget)
             # Admission leaves a few blocks free for the running requests to grow into;

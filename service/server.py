@@ -1,14 +1,16 @@
-"""The gRPC inference server: `pagedinfer serve`.
+"""The inference server: `pagedinfer serve`.
 
 A `grpc.aio` server over `AsyncLLMEngine` (DESIGN.md section 4): the `Inference`
 service, `grpc.health.v1.Health` (NOT_SERVING until the model is loaded and warmed up)
-and server reflection; telemetry from `pagedinfer.service.metrics`. The port opens
-before the model loads so that probes get an answer; inference calls are UNAVAILABLE
+and server reflection; telemetry from `pagedinfer.service.metrics`. In the same process
+and event loop, over the same engine, the OpenAI-compatible HTTP API
+(`pagedinfer.service.openai`, section 4b) on `--http-port`. The ports open before the
+model loads so that probes get an answer; inference calls are UNAVAILABLE (HTTP 503)
 until then.
 
-Lifecycle: SIGTERM (or SIGINT) flips health to NOT_SERVING, stops accepting calls,
-gives in-flight calls `--grace-period` seconds to finish, then cancels them, which
-aborts their requests and frees their KV-cache blocks.
+Lifecycle: SIGTERM (or SIGINT) flips health to NOT_SERVING (HTTP /health to 503),
+stops admitting requests, gives in-flight calls and streams `--grace-period` seconds to
+finish, then cancels them, which aborts their requests and frees their KV-cache blocks.
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ SERVICE_NAME = "pagedinfer.v1.Inference"
 AUTH_TOKEN_ENV = "PAGEDINFER_AUTH_TOKEN"
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9464
+DEFAULT_HTTP_PORT = 8000
 DEFAULT_MAX_QUEUE = 256
 # Kubernetes sends SIGKILL 30 s after SIGTERM by default; abort what is left before that.
 DEFAULT_GRACE_PERIOD = 25.0
+GRACE_CUT_S = 2.0  # for HTTP answers cut at the grace period's end to say so and close
 FINISH_REASONS = {"stop": 1, "length": 2, "abort": 3}  # FinishReason enum values
 
 
@@ -59,6 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="0.0.0.0", help="address to listen on")
     server.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC port")
+    server.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
+                        help="OpenAI-compatible HTTP API port (-1 disables it)")  # fmt: skip
+    server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="model names the HTTP API answers to; the first is the one it "
+                        "reports (default: the model's own name)")  # fmt: skip
     server.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                         help="Prometheus /metrics port (-1 disables it)")  # fmt: skip
     server.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
@@ -78,6 +87,8 @@ class ServerOptions:
     host: str = "0.0.0.0"
     port: int = DEFAULT_PORT
     metrics_port: int | None = DEFAULT_METRICS_PORT
+    http_port: int | None = DEFAULT_HTTP_PORT
+    served_model_names: list[str] | None = None
     max_queue: int = DEFAULT_MAX_QUEUE
     grace_period: float = DEFAULT_GRACE_PERIOD
     auth_token: str | None = None
@@ -92,10 +103,15 @@ class ServerOptions:
             raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
         if args.grace_period < 0:
             raise ValueError(f"--grace-period must be >= 0, got {args.grace_period}")
+        names = args.served_model_name
+        if names is not None and not all(name.strip() for name in names):
+            raise ValueError("--served-model-name must not be empty")
         return cls(
             host=args.host,
             port=args.port,
             metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+            http_port=None if args.http_port < 0 else args.http_port,
+            served_model_names=names,
             max_queue=args.max_queue,
             grace_period=args.grace_period,
             auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None,
@@ -274,6 +290,7 @@ class InferenceServicer:
                     delta.completion_tokens,
                     delta.cached_tokens,
                     delta.finish_reason,
+                    queue_time=delta.queue_time,
                 )
                 completion_tokens[delta.index] = delta.completion_tokens
                 yield response_from_delta(delta)
@@ -391,6 +408,17 @@ async def _load_engine(config: EngineConfig) -> AsyncLLMEngine:
     return await future
 
 
+async def _drain_http(http: Any, state: Any, grace_period: float) -> None:
+    """HTTP's half of a drain: /health answers 503 and new requests are refused while
+    in-flight ones get the grace period; then the listener closes and what is left is
+    cancelled."""
+    state.draining = True
+    if not await state.wait_idle(grace_period):
+        state.cut_all()  # each ends with a 503 error
+        await state.wait_idle(GRACE_CUT_S)
+    await http.stop(GRACE_CUT_S)
+
+
 def _set_result(future: asyncio.Future, value: Any) -> None:
     if not future.done():
         future.set_result(value)
@@ -417,8 +445,18 @@ async def serve(config: EngineConfig, options: ServerOptions) -> int:
 
     servicer = InferenceServicer(options.max_queue)
     servicer.telemetry = create_telemetry(
-        servicer.stats, host=options.host, metrics_port=options.metrics_port
+        servicer.stats,
+        host=options.host,
+        metrics_port=options.metrics_port,
+        prometheus=options.http_port is not None,
     )
+    http, http_state = None, None
+    if options.http_port is not None:
+        from pagedinfer.service.openai import HttpServer, ServingState, create_app
+
+        http_state = ServingState(max_queue=options.max_queue, telemetry=servicer.telemetry)
+        http = HttpServer(create_app(http_state, options.auth_token), options.host,
+                          options.http_port, options.tls_cert, options.tls_key)  # fmt: skip
 
     interceptors = [bearer_token_interceptor(options.auth_token)] if options.auth_token else []
     server = grpc.aio.server(interceptors=interceptors)
@@ -443,10 +481,19 @@ async def serve(config: EngineConfig, options: ServerOptions) -> int:
     else:
         port = server.add_insecure_port(address)
     await server.start()
+    http_port = None
+    if http is not None:
+        try:
+            http_port = await http.start()
+        except OSError:
+            await server.stop(None)
+            servicer.telemetry.shutdown()
+            raise
     log.info(
         "listening; loading the model",
-        extra={"grpc_port": port, "tls": bool(options.tls_cert), "auth": bool(interceptors)},
-    )
+        extra={"grpc_port": port, "http_port": http_port, "tls": bool(options.tls_cert),
+               "auth": bool(interceptors)},
+    )  # fmt: skip
 
     engine: AsyncLLMEngine | None = None
     exit_code = 0
@@ -463,13 +510,26 @@ async def serve(config: EngineConfig, options: ServerOptions) -> int:
         await engine.start()
         started = time.monotonic()
         await engine.warmup()
+        served_names = options.served_model_names or [engine.model_name]
+        if servicer.telemetry.vllm is not None:
+            from pagedinfer.service.vllm_metrics import CacheConfig
+
+            cache = CacheConfig(
+                served_names[0], engine.block_size, engine.num_blocks, config.enable_prefix_caching
+            )
+            servicer.telemetry.vllm.bind(cache)
         servicer.engine = engine
+        if http_state is not None:
+            http_state.served_model_names = served_names
+            http_state.engine = engine
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "ready",
             extra={
                 "grpc_port": port,
+                "http_port": http_port,
+                "served_model_names": served_names,
                 "metrics_port": options.metrics_port,
                 "model": engine.model_name,
                 "num_blocks": engine.num_blocks,
@@ -485,9 +545,12 @@ async def serve(config: EngineConfig, options: ServerOptions) -> int:
     finally:
         log.info("shutting down", extra={"grace_period_s": options.grace_period})
         await health_servicer.enter_graceful_shutdown()
-        # Stops accepting calls, waits up to the grace period for in-flight ones, then
-        # cancels them; a cancelled Generate aborts its request.
-        await server.stop(options.grace_period)
+        # Both APIs stop admitting requests, wait up to the grace period for in-flight
+        # ones, then cancel them; a cancelled call or stream aborts its request.
+        drains = [server.stop(options.grace_period)]
+        if http is not None:
+            drains.append(_drain_http(http, http_state, options.grace_period))
+        await asyncio.gather(*drains)
         if engine is not None:
             await engine.shutdown()
         servicer.telemetry.shutdown()

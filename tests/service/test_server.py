@@ -50,6 +50,7 @@ class Server:
     log: Path
     channel: grpc.Channel
     metadata: tuple = ()
+    http_port: int = -1  # the OpenAI-compatible HTTP API's
 
     @property
     def stub(self) -> inference_pb2_grpc.InferenceStub:
@@ -107,7 +108,7 @@ def make_certificate(directory: Path) -> tuple[Path, Path]:
 
 def start_server(directory: Path, *extra: str, token: str | None = None,
                  tls: tuple[Path, Path] | None = None) -> Server:  # fmt: skip
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port, http_port = free_port(), free_port(), free_port()
     log = directory / "server.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_EXPORTER_OTLP")}
     env.pop("PAGEDINFER_AUTH_TOKEN", None)
@@ -116,7 +117,7 @@ def start_server(directory: Path, *extra: str, token: str | None = None,
     env["OMP_NUM_THREADS"] = "1"
     args = [sys.executable, "-m", "pagedinfer.service.cli", "serve", "--host", "127.0.0.1",
             "--port", str(port), "--metrics-port", str(metrics_port),
-            "--kv-cache-memory", KV_CACHE, *extra]  # fmt: skip
+            "--http-port", str(http_port), "--kv-cache-memory", KV_CACHE, *extra]  # fmt: skip
     if token:
         env["PAGEDINFER_AUTH_TOKEN"] = token
     if tls:
@@ -130,7 +131,7 @@ def start_server(directory: Path, *extra: str, token: str | None = None,
     else:
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
-    server = Server(process, port, metrics_port, log, channel, metadata)
+    server = Server(process, port, metrics_port, log, channel, metadata, http_port)
     health = health_pb2_grpc.HealthStub(channel)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while True:

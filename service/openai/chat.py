@@ -1,0 +1,198 @@
+"""POST /v1/chat/completions: messages through the model's chat template, responses
+whole or as server-sent events (the first chunk of each choice carries the role)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pagedinfer.service.openai.errors import bad_request
+from pagedinfer.service.openai.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatLogprobs,
+    TokenLogprob,
+)
+from pagedinfer.service.openai.serving import (
+    AbortedError,
+    PromptRun,
+    ServingState,
+    TokenText,
+    chat_messages,
+    chat_top,
+    check_stop_token_ids,
+    close_runs,
+    encode,
+    merged,
+    new_id,
+    resolve_max_tokens,
+    sampling_params,
+    sse,
+    sse_error,
+    start_runs,
+    usage,
+)
+
+log = logging.getLogger("pagedinfer.http")
+
+
+@dataclass
+class ChatJob:
+    """A checked chat request, queued on the engine."""
+
+    id: str
+    created: int
+    model: str
+    request: ChatCompletionRequest
+    runs: list[PromptRun]
+    token_text: TokenText
+
+    def logprobs(self, entries: list[dict]) -> ChatLogprobs | None:
+        if not self.request.logprobs:
+            return None
+        content = []
+        for entry in entries:
+            token = self.token_text(entry["token_id"])
+            content.append(
+                TokenLogprob(
+                    token=token,
+                    logprob=entry["logprob"],
+                    bytes=list(token.encode()),
+                    top_logprobs=chat_top(entry, self.token_text),
+                )
+            )
+        return ChatLogprobs(content=content)
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    entries: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def start_chat(state: ServingState, request: ChatCompletionRequest) -> ChatJob:
+    """Checks a chat request and queues it; APIError if it is refused."""
+    engine = state.ready_engine()
+    state.check_model(request.model)
+    if request.top_logprobs is not None and not request.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    prompt = encode(engine, "messages", messages=chat_messages(request))
+    requested = request.max_completion_tokens
+    field_name = "max_completion_tokens"
+    if requested is None:
+        requested, field_name = request.max_tokens, "max_tokens"
+    max_tokens = resolve_max_tokens(engine, len(prompt), requested, None, "messages", field_name)
+    check_stop_token_ids(request, engine.vocab_size)
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    params = sampling_params(request, max_tokens, logprobs, None)
+    state.check_queue(engine, 1)
+    runs = start_runs(state, engine, [(prompt, params)], "chat", request.cache_salt)
+    return ChatJob(
+        id=new_id("chatcmpl"),
+        created=int(time.time()),
+        model=state.model_name,
+        request=request,
+        runs=runs,
+        token_text=TokenText(engine.tokenizer),
+    )
+
+
+async def complete(job: ChatJob) -> ChatCompletion:
+    """The whole response, once every choice has finished."""
+    choices = [_Choice() for _ in range(job.request.n)]
+    error = None
+    try:
+        async for _, delta in merged(job.runs):
+            if delta.finish_reason == "abort":
+                raise AbortedError("the server aborted the request")
+            choice = choices[delta.index]
+            choice.text += delta.text
+            choice.entries.extend(delta.logprobs or ())
+            if delta.finish_reason is not None:
+                choice.finish_reason = delta.finish_reason
+    except BaseException as exc:
+        error = "cancelled" if not isinstance(exc, Exception) else type(exc).__name__
+        raise
+    finally:
+        await close_runs(job.runs, error)
+    return ChatCompletion(
+        id=job.id,
+        created=job.created,
+        model=job.model,
+        choices=[
+            ChatChoice(
+                index=i,
+                message=AssistantMessage(content=c.text),
+                logprobs=job.logprobs(c.entries),
+                finish_reason=c.finish_reason,
+            )
+            for i, c in enumerate(choices)
+        ],
+        usage=usage(job.runs),
+    )
+
+
+async def stream(job: ChatJob) -> AsyncIterator[bytes]:
+    """Server-sent events: the role of each choice, its content piece by piece with the
+    finish reason on the last, the usage chunk when asked for, then `data: [DONE]`."""
+    options = job.request.stream_options
+    include_usage = options is not None and options.include_usage
+    continuous = options is not None and options.continuous_usage_stats
+
+    def chunk(choice: ChatChunkChoice) -> bytes:
+        return sse(
+            ChatCompletionChunk(
+                id=job.id,
+                created=job.created,
+                model=job.model,
+                choices=[choice],
+                usage=usage(job.runs) if continuous else None,
+            )
+        )
+
+    error = None
+    try:
+        for i in range(job.request.n):
+            yield chunk(ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")))
+        async for _, delta in merged(job.runs):
+            if delta.finish_reason == "abort":
+                error = "aborted"
+                yield sse_error(503, "the server aborted the request")
+                return
+            entries = delta.logprobs or []
+            if not delta.text and not entries and delta.finish_reason is None:
+                continue  # the engine holds these characters back for now
+            yield chunk(
+                ChatChunkChoice(
+                    index=delta.index,
+                    delta=ChatDelta(content=delta.text or None),
+                    logprobs=job.logprobs(entries) if entries else None,
+                    finish_reason=delta.finish_reason,
+                )
+            )
+        if include_usage:
+            yield sse(
+                ChatCompletionChunk(
+                    id=job.id,
+                    created=job.created,
+                    model=job.model,
+                    choices=[],
+                    usage=usage(job.runs),
+                )
+            )
+        yield b"data: [DONE]\n\n"
+    except BaseException as exc:
+        error = "cancelled" if not isinstance(exc, Exception) else type(exc).__name__
+        if isinstance(exc, Exception):
+            log.exception("streamed chat completion failed", extra={"id": job.id})
+        raise
+    finally:
+        await close_runs(job.runs, error)

@@ -1,0 +1,339 @@
+"""The request and response bodies of the OpenAI-compatible API, as pydantic models.
+
+Requests are strict, as OpenAI's are: a field of the wrong type (`"n": "2"`,
+`"max_tokens": 16.0`, `"echo": 1`) or a field nobody knows is refused, not coerced or
+ignored. Besides OpenAI's own fields they take the sampling fields vLLM accepts
+(`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`) and a few
+that clients of vLLM send with their default values. Bodies are parsed with
+`model_validate_json`, so the JSON itself is checked too (invalid UTF-8, lone
+surrogates, NaN).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+
+from pagedinfer.service.sampling_params import MAX_LOGPROBS, MAX_N
+
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; some lm-eval tasks stop on 5
+MAX_STOP_LENGTH = 256  # characters; a stop string's length is held back while streaming
+MAX_STOP_TOKEN_IDS = 64
+MAX_SEED = 2**64 - 1
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
+
+
+Stop = str | list[str]
+
+
+class SamplingFields(Strict):
+    """The sampling fields completions and chat share (OpenAI's, then vLLM's)."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: Stop | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = Field(None, max_length=256)
+    # vLLM's extra sampling fields.
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    # Fields vLLM's clients send with their defaults; other values are refused.
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    spaces_between_special_tokens: bool = True
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: Stop | None) -> list[str] | None:
+        if stop is None:
+            return None
+        stops = [stop] if isinstance(stop, str) else stop
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        for s in stops:
+            if not s:
+                raise ValueError("a stop string must not be empty")
+            if len(s) > MAX_STOP_LENGTH:
+                raise ValueError(f"a stop string must be at most {MAX_STOP_LENGTH} characters")
+        return stops
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_token_ids(cls, ids: list[int] | None) -> list[int] | None:
+        if ids and min(ids) < 0:
+            raise ValueError("token ids must not be negative")
+        return ids
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)  # an alias some clients send
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _check_prompt(cls, prompt: Any) -> str | list[str] | list[int] | list[list[int]]:
+        """One message for every malformed prompt, instead of one per union member."""
+        shape = (
+            "must be a string, a list of strings, a list of token ids or a list of lists of "
+            "token ids"
+        )
+        if isinstance(prompt, str):
+            return prompt
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError(shape if not isinstance(prompt, list) else "must not be empty")
+        if all(isinstance(p, str) for p in prompt):
+            return prompt
+        if all(_is_int(t) for t in prompt):
+            return prompt
+        if all(isinstance(p, list) for p in prompt):
+            for i, ids in enumerate(prompt):
+                if not ids:
+                    raise ValueError(f"item {i} must not be empty")
+                if not all(_is_int(t) for t in ids):
+                    raise ValueError(f"item {i} must be a list of integer token ids")
+            return prompt
+        raise ValueError(shape)
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="plain")
+    @classmethod
+    def _check_content(cls, content: Any) -> str | list[TextPart] | None:
+        if content is None or isinstance(content, str):
+            return content
+        if not isinstance(content, list):
+            raise ValueError("content must be a string or a list of text parts")
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"part {i} is {kind!r}: only text parts are served")
+            if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+                raise ValueError(f"part {i} must be {{'type': 'text', 'text': <string>}}")
+            parts.append(TextPart(type="text", text=part["text"]))
+        return parts
+
+    def text(self) -> str:
+        """The content as one string: text parts joined by newlines."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ResponseFormat(Strict):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(Strict):
+    """POST /tokenize: exactly one of prompt and messages."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---------------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy format: one entry per token in each list."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+    refusal: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _present_fields_only(self) -> dict[str, Any]:
+        """A delta carries only what changed: the role once, then content."""
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pagedinfer"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
