@@ -5,6 +5,10 @@ logical block i (tokens i*B .. i*B+B-1) to a physical block id. Full blocks are
 identified by a hash chain over their tokens, so requests with a common prefix share
 them. Free blocks that still hold a cached prefix are reused only when no plain free
 block is left, least recently freed first (lazy LRU eviction).
+
+With a sliding window on every layer, a request's leading blocks that no token still to
+compute can see are released as the window slides (`free_outside_window`); their table
+entries become FREED, so logical block i stays at entry i.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedinfer.service.request import Request
+
+# The block-table entry of a block released because no layer can read it again.
+FREED = -1
 
 
 @dataclass(eq=False)
@@ -103,6 +110,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         policy: str = "paged",
         max_model_len: int | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
@@ -110,6 +118,14 @@ class KVCacheManager:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
         if policy not in ("paged", "contiguous"):
             raise ValueError(f"policy must be 'paged' or 'contiguous', got {policy!r}")
+        if sliding_window is not None and (
+            isinstance(sliding_window, bool)
+            or not isinstance(sliding_window, int)
+            or sliding_window < 1
+        ):
+            raise ValueError(
+                f"sliding_window must be a positive integer or None, got {sliding_window!r}"
+            )
         if max_model_len is not None and max_model_len < block_size:
             raise ValueError(
                 f"max_model_len ({max_model_len}) must be at least block_size ({block_size})"
@@ -129,8 +145,12 @@ class KVCacheManager:
                     f"max_model_len {max_model_len} ({self.reserved_blocks} blocks)"
                 )
         self.enable_prefix_caching = enable_prefix_caching and policy == "paged"
+        # The window of every layer (None: some layer attends fully, nothing is freed). A
+        # contiguous request keeps its reservation, as a naive server would.
+        self.sliding_window = sliding_window if policy == "paged" else None
         self.pool = BlockPool(num_blocks)
         self._block_hashes: dict[str, list[bytes]] = {}  # hashes of each request's full blocks
+        self._num_freed: dict[str, int] = {}  # leading FREED entries of each request's table
         self._pending_copies: list[tuple[int, int]] = []
 
     def num_blocks_for(self, num_tokens: int) -> int:
@@ -221,21 +241,51 @@ class KVCacheManager:
             hashes.append(hash_block(prev, tokens[i * size : (i + 1) * size], request.cache_salt))
             self.pool.cache(self.pool.blocks[request.block_table[i]], hashes[-1])
 
+    def free_outside_window(self, request: Request) -> int:
+        """Release the request's leading blocks that no layer can read again; returns how
+        many. Call it once the request's computed tokens are counted.
+
+        With window W on every layer, the next token to compute, at position
+        n = num_computed_tokens, sees positions from n - W + 1 on, and every later token
+        sees less: blocks wholly before that position are never read again (by this
+        request: a fork copies its table, FREED entries too). A released block that is in
+        the prefix cache stays there: its KV depends only on its tokens' prefix, which its
+        hash names, so another request may still reuse it.
+        """
+        if self.sliding_window is None:
+            return 0
+        table, rid = request.block_table, request.request_id
+        first_seen = max(request.num_computed_tokens - self.sliding_window + 1, 0)
+        end = min(first_seen // self.block_size, len(table))
+        start = self._num_freed.get(rid, 0)
+        for i in range(start, end):
+            self.pool.release(self.pool.blocks[table[i]])
+            table[i] = FREED
+        if end <= start:
+            return 0
+        self._num_freed[rid] = end
+        return end - start
+
     def free(self, request: Request) -> None:
         """Release the request's blocks; idempotent. The tail goes first so that the
         prefix cache evicts tails before the prefixes others are likelier to share."""
         for block_id in reversed(request.block_table):
-            self.pool.release(self.pool.blocks[block_id])
+            if block_id != FREED:
+                self.pool.release(self.pool.blocks[block_id])
         request.block_table.clear()
         self._block_hashes.pop(request.request_id, None)
+        self._num_freed.pop(request.request_id, None)
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares all of the parent's blocks; its first write copies a shared one."""
         if child.block_table:
             raise ValueError(f"fork target {child.request_id} already holds blocks")
         for block_id in parent.block_table:
-            self.pool.touch(self.pool.blocks[block_id])
+            if block_id != FREED:
+                self.pool.touch(self.pool.blocks[block_id])
         child.block_table.extend(parent.block_table)
+        if parent.request_id in self._num_freed:
+            self._num_freed[child.request_id] = self._num_freed[parent.request_id]
         num_full = child.num_computed_tokens // self.block_size
         self._block_hashes[child.request_id] = self._block_hashes.get(parent.request_id, [])[
             :num_full

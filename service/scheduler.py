@@ -66,7 +66,9 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+    def __init__(
+        self, config: EngineConfig, num_blocks: int, sliding_window: int | None = None
+    ) -> None:
         self.config = config
         self.kv_cache = KVCacheManager(
             num_blocks,
@@ -74,6 +76,7 @@ class Scheduler:
             enable_prefix_caching=config.enable_prefix_caching,
             policy=config.allocation_policy,
             max_model_len=config.max_model_len,
+            sliding_window=sliding_window,  # every layer's window: its KV blocks are freed
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
@@ -240,6 +243,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # finished or aborted since schedule()
             request.num_computed_tokens += item.num_tokens - len(draft)
+            self.kv_cache.free_outside_window(request)  # blocks behind every layer's window
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk that does not reach the end samples nothing
             rid = request.request_id
