@@ -1,17 +1,17 @@
 """Sizing the CPU KV cache from the memory the server may use, as vLLM sizes it on a GPU.
 
-Without `--kv-cache-memory`, the KV cache gets what the container's memory limit leaves
-once the model is loaded: the limit (cgroup v2 `memory.max`/`memory.high`, else v1
-`memory.limit_in_bytes`), less a headroom share of it, less what the process already
-holds (interpreter, libraries, tokenizer, weights in every form the backend keeps them),
-less what serving still allocates (one step's activations and logits, the torch
-attention path's gathered context, request state and compile transients). Without a
-limit it takes a share of the host's available memory, capped: a laptop's memory is
-shared with everything else on it.
+Without `--kv-cache-memory`, the KV cache gets what the container's memory limit leaves:
+the limit (cgroup v2 `memory.max`/`memory.high`, else v1 `memory.limit_in_bytes`), less
+a headroom share of it, less what the process holds once the model is loaded
+(interpreter, libraries, tokenizer, weights as loaded), less what is still to come: the
+CPU backend's own form of the weights while it builds it beside the dense ones, one
+step's activations and sampling logits, the torch attention path's gathered context,
+request state. Without a limit it takes a share of the host's available memory, capped:
+a laptop's memory is shared with everything else on it.
 
-The decisions are pure functions of the numbers (`plan_kv_cache`, `activation_bytes`),
-so they are table-tested; `read_host_memory` and `resident_bytes` are the only readers
-of /proc and /sys, with their roots injectable.
+The decisions are pure functions of the numbers (`plan_kv_cache`, `activation_bytes`,
+`backend_pending_bytes`), so they are table-tested; `read_host_memory` and
+`resident_bytes` are the only readers of /proc and /sys, with their roots injectable.
 """
 
 from __future__ import annotations
@@ -42,6 +42,10 @@ NO_LIMIT_KV_CAP = 512 * MiB
 # What serving allocates beyond one step's tensors: gRPC and telemetry buffers,
 # per-request state, kernels compiled after start, malloc arenas of the worker threads.
 SERVING_ALLOWANCE = 128 * MiB
+# Bytes per GEMM weight the CPU backend's grid form takes while it is built beside the
+# dense weights: the grids, their stacked copy for the fused step, the LM head's 8-bit
+# approximations and loading the compiled kernels (the embedded model, warm kernel cache).
+GRID_BYTES_PER_WEIGHT = 3.0
 # Logits-sized tensors a sampling step holds at once: the logits, their penalised copy,
 # the scaled and masked rows, probabilities, and top-p's sort (values and int64 indices,
 # three logits' worth). A batch of rows sampled with penalties and top-p peaks at ten.
@@ -59,12 +63,21 @@ class HostMemory:
 
 
 @dataclass(frozen=True)
+class Footprint:
+    """The memory the model takes besides its KV cache (bytes)."""
+
+    resident: int  # held now: interpreter, libraries, tokenizer, weights as loaded
+    pending: int  # still to come at start: the CPU backend's weights while it builds them
+    activations: int  # one step's tensors and sampling logits (`activation_bytes`)
+
+
+@dataclass(frozen=True)
 class KVCachePlan:
-    """The KV cache budget chosen and the numbers it came from (bytes)."""
+    """The KV cache budget chosen and the reason, as one log line."""
 
     budget: int
     num_blocks: int
-    reason: str  # one line for the log
+    reason: str
 
 
 def activation_bytes(model: ModelConfig, config: EngineConfig, itemsize: int) -> int:
@@ -83,59 +96,79 @@ def activation_bytes(model: ModelConfig, config: EngineConfig, itemsize: int) ->
     return tokens * per_token * itemsize + logit_rows * model.vocab_size * 4 * LOGITS_COPIES
 
 
+def gemm_weights(model: ModelConfig) -> int:
+    """Elements of the GEMM weights: every layer's q/k/v, o, gate/up and down, and the LM head."""
+    q_size = model.num_heads * model.head_dim
+    kv_size = model.num_kv_heads * model.head_dim
+    hidden, inter = model.hidden_size, model.intermediate_size
+    per_layer = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * inter
+    return model.num_layers * per_layer + model.vocab_size * hidden
+
+
+def backend_pending_bytes(model: ModelConfig, mode: str, itemsize: int) -> int:
+    """What the CPU backend adds while it builds its weights beside the model's dense ones
+    (which it releases once it serves): GRID_BYTES_PER_WEIGHT for quantisation grids, a
+    copy of the weights for the matmul library's packed layouts, nothing for dense GEMMs."""
+    per_weight = {"grid": GRID_BYTES_PER_WEIGHT, "mkl": itemsize, "onednn": itemsize}
+    if mode not in (*per_weight, "dense"):
+        raise ValueError(f"unknown CPU backend mode {mode!r}")
+    return int(gemm_weights(model) * per_weight.get(mode, 0))
+
+
 def plan_kv_cache(
     host: HostMemory,
-    resident: int,
-    activations: int,
+    footprint: Footprint,
     block_bytes: int,
     num_layers: int,
     min_blocks: int,
 ) -> KVCachePlan:
-    """The KV budget the memory leaves once the model is resident.
+    """The KV budget the memory leaves besides the model's footprint.
 
     With a limit: (1 - HEADROOM) of it (or of resident + available, when the host has
-    less), less `resident`, `activations` and `SERVING_ALLOWANCE`. Without one:
-    NO_LIMIT_SHARE of `available` less the same allowances, at most NO_LIMIT_KV_CAP.
-    The torch attention path gathers a layer's context into scratch of up to twice one
-    layer's share of the cache, so the budget is what remains divided by
-    (1 + 2 / num_layers). Raises ValueError when fewer than `min_blocks` blocks fit.
+    less), less the footprint and SERVING_ALLOWANCE. Without one: NO_LIMIT_SHARE of
+    `available` less the same, at most NO_LIMIT_KV_CAP. The torch attention path gathers
+    a layer's context into scratch of up to twice one layer's share of the cache, so the
+    budget is what remains divided by (1 + 2 / num_layers). Raises ValueError, with the
+    limit that would do, when fewer than `min_blocks` blocks fit.
     """
     mib = _mib
-    serving = activations + SERVING_ALLOWANCE
+    scratch = 1 + 2 / num_layers
+    used = footprint.resident + footprint.pending + footprint.activations + SERVING_ALLOWANCE
     if host.limit is not None:
-        usable = min(host.limit, resident + host.available)
+        usable = min(host.limit, footprint.resident + host.available)
         headroom = int(usable * HEADROOM)
-        left = usable - headroom - resident - serving
+        left = usable - headroom - used
         bound = (
             f"the memory limit {mib(host.limit)} ({host.source})"
             if usable == host.limit
-            else f"the host's available memory {mib(resident + host.available)} "
+            else f"the host's available memory {mib(footprint.resident + host.available)} "
             f"(below the limit {mib(host.limit)} of {host.source})"
         )
-        terms = f"minus headroom {HEADROOM:.0%} ({mib(headroom)})"
+        rest = f"headroom {HEADROOM:.0%} ({mib(headroom)})"
     else:
-        usable = int(host.available * NO_LIMIT_SHARE)
-        left = usable - serving
+        left = int(host.available * NO_LIMIT_SHARE) - (used - footprint.resident)
         bound = (
             f"{NO_LIMIT_SHARE:.0%} of the available memory {mib(host.available)} ({host.source})"
         )
-        terms = f"capped at {mib(NO_LIMIT_KV_CAP)}"
-    budget = max(0, int(left / (1 + 2 / num_layers)))
+        rest = f"at most {mib(NO_LIMIT_KV_CAP)} without a limit"
+    budget = max(0, int(left / scratch))
     if host.limit is None:
         budget = min(budget, NO_LIMIT_KV_CAP)
     blocks = budget // block_bytes
-    reason = (
-        f"KV cache budget {mib(budget)} from {bound}: the process holds {mib(resident)}, "
-        f"one step's activations and logits take {mib(activations)}, serving "
-        f"{mib(SERVING_ALLOWANCE)}, the attention scratch 2/{num_layers} of the cache, "
-        f"{terms}"
+    terms = (
+        f"the process holds {mib(footprint.resident)}, the CPU backend builds "
+        f"{mib(footprint.pending)} more until it serves, one step's activations and logits "
+        f"take {mib(footprint.activations)}, serving {mib(SERVING_ALLOWANCE)}, the attention "
+        f"scratch 2/{num_layers} of the cache, {rest}"
     )
+    reason = f"KV cache budget {mib(budget)} from {bound}: {terms}"
     if blocks < min_blocks:
+        needed = (used + min_blocks * block_bytes * scratch) / (1 - HEADROOM)
         raise ValueError(
-            f"{bound} cannot hold the model and one KV block per sequence: {reason}; "
-            f"{min_blocks} blocks of {mib(block_bytes)} (max_num_seqs) need "
-            f"{mib(min_blocks * block_bytes)}. Raise the memory limit, lower "
-            "--max-num-seqs, or set --kv-cache-memory"
+            f"{bound} cannot hold the model and one KV block per sequence: {terms}; "
+            f"{min_blocks} blocks (max_num_seqs) of {mib(block_bytes)} need "
+            f"{mib(min_blocks * block_bytes)}, a limit of at least {mib(int(needed))}. "
+            "Raise the memory limit, lower --max-num-seqs, or set --kv-cache-memory"
         )
     return KVCachePlan(budget=budget, num_blocks=blocks, reason=reason)
 
@@ -247,4 +280,6 @@ def resident_bytes(proc_root: Path = Path("/proc")) -> int:
 
 
 def _mib(n: int) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.0f} MiB"
+    if n >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / MiB:.0f} MiB" if n >= 10 * MiB else f"{n / MiB:.2f} MiB"

@@ -48,10 +48,15 @@ def kv_block_bytes(loaded: LoadedModel, block_size: int, dtype: torch.dtype) -> 
 
 
 def num_kv_blocks(
-    config: EngineConfig, block_bytes: int, device: torch.device, model: ModelConfig
+    config: EngineConfig,
+    block_bytes: int,
+    device: torch.device,
+    model: ModelConfig,
+    backend_mode: str | None = None,
 ) -> int:
     """How many blocks the KV budget buys: exact, a byte budget or what the memory limit
-    leaves on CPU (`memory.plan_kv_cache`), free memory on CUDA."""
+    leaves on CPU (`memory.plan_kv_cache`), free memory on CUDA. backend_mode: the mode
+    of a CPU executor that is still building its weights beside the model's, or None."""
     if config.num_gpu_blocks is not None:
         return config.num_gpu_blocks
     if device.type == "cuda":
@@ -63,10 +68,16 @@ def num_kv_blocks(
         elements = 2 * model.num_layers * config.block_size * model.num_kv_heads * model.head_dim
         itemsize = block_bytes // elements
         memory.release_free_heap()
+        footprint = memory.Footprint(
+            resident=memory.resident_bytes(),
+            pending=0
+            if backend_mode is None
+            else memory.backend_pending_bytes(model, backend_mode, itemsize),
+            activations=memory.activation_bytes(model, config, itemsize),
+        )
         plan = memory.plan_kv_cache(
             memory.read_host_memory(),
-            resident=memory.resident_bytes(),
-            activations=memory.activation_bytes(model, config, itemsize),
+            footprint,
             block_bytes=block_bytes,
             num_layers=model.num_layers,
             min_blocks=config.max_num_seqs,

@@ -9,7 +9,7 @@ import pytest
 
 from pagedinfer.service import memory
 from pagedinfer.service.config import EngineConfig
-from pagedinfer.service.memory import GiB, HostMemory, MiB
+from pagedinfer.service.memory import Footprint, GiB, HostMemory, MiB
 from pagedinfer.service.models.llama import ModelConfig
 
 BLOCK = 720 * 1024  # one 16-token block of the embedded model in fp32
@@ -29,40 +29,47 @@ def limited(limit: int, available: int = 64 * GiB) -> HostMemory:
     return HostMemory(limit=limit, source="memory.max", available=available)
 
 
-def expected_with_limit(usable: int, resident: int, activations: int) -> int:
-    left = usable - int(usable * memory.HEADROOM) - resident - activations
-    return int((left - memory.SERVING_ALLOWANCE) / (1 + 2 / LAYERS))
+def footprint(resident: int, activations: int = 100 * MiB, pending: int = 0) -> Footprint:
+    return Footprint(resident=resident, pending=pending, activations=activations)
+
+
+def expected_with_limit(usable: int, model: Footprint) -> int:
+    left = usable - int(usable * memory.HEADROOM) - model.resident - model.pending
+    return int((left - model.activations - memory.SERVING_ALLOWANCE) / (1 + 2 / LAYERS))
 
 
 @pytest.mark.parametrize(
-    ("limit", "resident", "activations"),
+    ("limit", "model"),
     [
-        (2 * GiB, 700 * MiB, 100 * MiB),
-        (6 * GiB, 1200 * MiB, 100 * MiB),
-        (16 * GiB, 3 * GiB, 400 * MiB),
+        (2 * GiB, footprint(700 * MiB)),
+        (2 * GiB, footprint(700 * MiB, pending=300 * MiB)),
+        (6 * GiB, footprint(1200 * MiB, 500 * MiB)),
+        (16 * GiB, footprint(3 * GiB, 400 * MiB, pending=1 * GiB)),
     ],
 )
-def test_the_budget_is_the_limit_less_headroom_footprint_and_scratch(limit, resident, activations):
-    plan = memory.plan_kv_cache(limited(limit), resident, activations, BLOCK, LAYERS, 256)
-    assert plan.budget == expected_with_limit(limit, resident, activations)
+def test_the_budget_is_the_limit_less_headroom_footprint_and_scratch(limit, model):
+    plan = memory.plan_kv_cache(limited(limit), model, BLOCK, LAYERS, 256)
+    assert plan.budget == expected_with_limit(limit, model)
     assert plan.num_blocks == plan.budget // BLOCK
     # What the process may end up holding stays inside the limit, headroom spare.
-    peak = resident + activations + memory.SERVING_ALLOWANCE + plan.budget * (1 + 2 / LAYERS)
-    assert peak <= limit * (1 - memory.HEADROOM)
+    peak = model.resident + model.pending + model.activations + memory.SERVING_ALLOWANCE
+    assert peak + plan.budget * (1 + 2 / LAYERS) <= limit * (1 - memory.HEADROOM)
 
 
 def test_a_host_with_less_available_than_the_limit_bounds_the_budget():
     host = limited(16 * GiB, available=3 * GiB)
-    plan = memory.plan_kv_cache(host, 1 * GiB, 100 * MiB, BLOCK, LAYERS, 256)
-    assert plan.budget == expected_with_limit(4 * GiB, 1 * GiB, 100 * MiB)
+    plan = memory.plan_kv_cache(host, footprint(1 * GiB), BLOCK, LAYERS, 256)
+    assert plan.budget == expected_with_limit(4 * GiB, footprint(1 * GiB))
     assert "available memory 4.00 GiB" in plan.reason
 
 
 def test_the_log_line_names_every_term():
-    plan = memory.plan_kv_cache(limited(2 * GiB), 700 * MiB, 100 * MiB, BLOCK, LAYERS, 256)
-    for text in ("2.00 GiB (memory.max)", "holds 700 MiB", "take 100 MiB", "headroom 10%"):
+    model = footprint(700 * MiB, pending=300 * MiB)
+    plan = memory.plan_kv_cache(limited(3 * GiB), model, BLOCK, LAYERS, 256)
+    for text in ("3.00 GiB (memory.max)", "holds 700 MiB", "builds 300 MiB more",
+                 "take 100 MiB", "headroom 10%"):  # fmt: skip
         assert text in plan.reason
-    assert plan.reason.startswith(f"KV cache budget {plan.budget // MiB} MiB")
+    assert plan.reason.startswith(f"KV cache budget {plan.budget / GiB:.2f} GiB from")
 
 
 @pytest.mark.parametrize(
@@ -72,26 +79,52 @@ def test_the_log_line_names_every_term():
         (
             1 * GiB,
             int((GiB // 2 - 100 * MiB - memory.SERVING_ALLOWANCE) / (1 + 2 / LAYERS)),
-        ),  # a share of what is available
+        ),  # a share of what is available, less what is still to come
     ],
 )
 def test_without_a_limit_a_share_of_the_available_memory_capped(available, budget):
     host = HostMemory(limit=None, source="no cgroup memory limit", available=available)
-    plan = memory.plan_kv_cache(host, 700 * MiB, 100 * MiB, BLOCK, LAYERS, 16)
+    plan = memory.plan_kv_cache(host, footprint(700 * MiB), BLOCK, LAYERS, 16)
     assert plan.budget == budget
 
 
 def test_a_limit_that_cannot_hold_the_model_and_a_block_per_sequence_is_refused():
     with pytest.raises(ValueError) as err:
-        memory.plan_kv_cache(limited(1 * GiB), 900 * MiB, 100 * MiB, BLOCK, LAYERS, 256)
+        memory.plan_kv_cache(limited(1 * GiB), footprint(900 * MiB), BLOCK, LAYERS, 256)
     message = str(err.value)
     assert "cannot hold the model and one KV block per sequence" in message
     assert "1.00 GiB (memory.max)" in message and "--max-num-seqs" in message
+    # The limit it names does hold the model and 256 blocks.
+    needed = int(float(message.split("a limit of at least ")[1].split(" GiB")[0]) * GiB) + 10 * MiB
+    assert memory.plan_kv_cache(limited(needed), footprint(900 * MiB), BLOCK, LAYERS, 256)
     # Fewer sequences fit where 256 do not.
-    plan = memory.plan_kv_cache(limited(1400 * MiB), 900 * MiB, 100 * MiB, BLOCK, LAYERS, 16)
+    plan = memory.plan_kv_cache(limited(1400 * MiB), footprint(900 * MiB), BLOCK, LAYERS, 16)
     assert plan.num_blocks >= 16
     with pytest.raises(ValueError, match="one KV block per sequence"):
-        memory.plan_kv_cache(limited(1400 * MiB), 900 * MiB, 100 * MiB, BLOCK, LAYERS, 256)
+        memory.plan_kv_cache(limited(1400 * MiB), footprint(900 * MiB), BLOCK, LAYERS, 256)
+
+
+def test_what_the_backend_still_builds_is_reserved():
+    model = footprint(700 * MiB, pending=300 * MiB)
+    with_pending = memory.plan_kv_cache(limited(2 * GiB), model, BLOCK, LAYERS, 16)
+    without = memory.plan_kv_cache(limited(2 * GiB), footprint(700 * MiB), BLOCK, LAYERS, 16)
+    assert without.budget - with_pending.budget == pytest.approx(
+        300 * MiB / (1 + 2 / LAYERS), abs=1
+    )
+
+
+def test_backend_pending_bytes_by_mode():
+    model = smollm2()
+    weights = 30 * (576 * (576 + 384) + 576 * 576 + 3 * 576 * 1536) + 49152 * 576
+    assert memory.gemm_weights(model) == weights
+    assert memory.backend_pending_bytes(model, "grid", 4) == int(
+        weights * memory.GRID_BYTES_PER_WEIGHT
+    )
+    assert memory.backend_pending_bytes(model, "mkl", 4) == 4 * weights
+    assert memory.backend_pending_bytes(model, "onednn", 2) == 2 * weights
+    assert memory.backend_pending_bytes(model, "dense", 4) == 0
+    with pytest.raises(ValueError, match="unknown CPU backend mode 'fast'"):
+        memory.backend_pending_bytes(model, "fast", 4)
 
 
 def test_activations_grow_with_the_step_and_the_logit_rows():
