@@ -2,14 +2,16 @@
 
 It runs the same equations as the model's own torch forward (`pagedinfer.service.models`)
 with faster parts, picked from the configuration and the CPU alone:
-- GEMMs: the weight's quantisation grid where every weight lies on one (a model that
-  came as a GGUF file; `grid_gemm`), else the matmul library's packed layout (MKL for
-  fp32, oneDNN for bf16 on CPUs with native bf16);
+- fp32 without biases: the compiled GEMMs of `grid_gemm`, from the weight's
+  quantisation grid where every weight lies on one (a model that came as a GGUF file:
+  "grid"), else from the fp32 weights in the same tile layout ("rebuilt"); steps of up
+  to `grid_gemm.GRID_MAX_ROWS` tokens run as one compiled call (`fused_step`), and on
+  an 8-bit grid LM head greedy rows' tokens are picked without their logits
+  (`greedy_argmax`, where the CPU has AVX-512 VNNI);
+- otherwise the matmul library's packed layout ("mkl" for fp32, "onednn" for bf16 on
+  CPUs with native bf16), or the weights as they are ("dense");
 - with fp32 weights, the ops between the GEMMs in compiled kernels (`layer_ops`) and
-  attention on the compiled paged kernels (`paged_decode`, `paged_verify`);
-- on grids, steps of up to `grid_gemm.GRID_MAX_ROWS` tokens as one compiled call
-  (`fused_step`), and greedy rows' tokens picked without their logits
-  (`greedy_argmax`, where the CPU has AVX-512 VNNI).
+  attention on the compiled paged kernels (`paged_decode`, `paged_verify`).
 
 It serves only configurations whose every feature it implements (`SUPPORTED_FEATURES`);
 anything else runs on the model's torch forward. Once active it owns the weights: the
@@ -88,7 +90,7 @@ class CpuExecutor:
     def __init__(self, model: nn.Module, mode: str, compiled: bool) -> None:
         self.model = model
         self.config = model.config
-        self.mode = mode  # "grid", "mkl", "onednn" or "dense"
+        self.mode = mode  # "grid", "rebuilt", "mkl", "onednn" or "dense"
         self.compiled = compiled  # the ops between the GEMMs and attention in numba kernels
         self.layers: list[_Layer] = []
         self.lm_head: Gemm | None = None
@@ -109,7 +111,12 @@ class CpuExecutor:
         their grids where every weight lies on one and the kernels are compiled, else the
         library's packed layout."""
         model = self.model
-        grids = find_grids(model) if self.mode == "grid" else None
+        grids = None
+        if self.mode == "grid":
+            grids = find_grids(model)
+            if grids is None:  # a checkpoint on no grid: its fp32 weights in tile layout
+                grids = rebuilt_grids(model)
+                self.mode = "rebuilt" if grids is not None else self.mode
         if grids is not None:
             self._build_grids(*grids)
             return
@@ -493,6 +500,22 @@ def find_grids(model: nn.Module) -> tuple[list[list[Any]], Any] | None:
             return None
         layers.append(grids)
     lm_head = grid_gemm.to_grid(model.lm_head_weight())
+    return None if lm_head is None else (layers, lm_head)
+
+
+def rebuilt_grids(model: nn.Module) -> tuple[list[list[Any]], Any] | None:
+    """Every GEMM weight as already-rebuilt fp32 tiles (`grid_gemm.rebuilt`), so that a
+    checkpoint whose weights lie on no grid runs the same kernels and fused step; None
+    where a shape does not tile."""
+    from pagedinfer.kernels.cpu import grid_gemm
+
+    layers = []
+    for layer in model.layers:
+        grids = [grid_gemm.rebuilt(linear.weight) for linear in layer.linears()]
+        if any(g is None for g in grids):
+            return None
+        layers.append(grids)
+    lm_head = grid_gemm.rebuilt(model.lm_head_weight())
     return None if lm_head is None else (layers, lm_head)
 
 

@@ -131,6 +131,22 @@ def candidate_ends(in_features: int) -> list[tuple[int, ...]]:
     return list(candidates)
 
 
+def rebuilt(weight: torch.Tensor) -> GridWeight | None:
+    """Any fp32 weight [out_features, in_features] in the kernels' tile layout, as already
+    rebuilt weights (REBUILT: codes fp32 [tiles, K, 16], zero scales, which no kernel
+    reads for it), so that a checkpoint on no grid runs the same GEMMs and fused step;
+    None where the shape does not tile."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
+        return None
+    n, k = weight.shape
+    if not shape_supported(n, k):
+        return None
+    tiles = n // LANES
+    codes = weight.detach().reshape(tiles, LANES, k).transpose(1, 2).contiguous().numpy()
+    scales = np.zeros((tiles, k // GRID_BLOCK, 2, LANES), dtype=np.uint16)
+    return GridWeight(REBUILT, n, k, codes, scales)
+
+
 def to_grid(weight: torch.Tensor) -> GridWeight | None:
     """The 4-bit affine or 8-bit grid that holds every value of `weight` exactly (fp32
     [out_features, in_features], a view of an [in_features, out_features] tensor or
