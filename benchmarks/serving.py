@@ -11,7 +11,9 @@ HTTP/offline ratio of output tokens/s is reported: serving at 32 streams should 
 at least 0.9 of the offline rate (DESIGN.md section 8).
 
 Every run gets prompts of its own (the workload's lengths, fresh random tokens), so that
-no run finds an earlier one's prompts in the server's prefix cache.
+no run finds an earlier one's prompts in the server's prefix cache. A server started here
+is measured once its CPU executor serves (it compiles in the background while the torch
+forward serves); warm a server given by --url yourself.
 
     python benchmarks/serving.py --json          # starts a server on 127.0.0.1 itself
     python benchmarks/serving.py --url http://127.0.0.1:8000 --no-offline
@@ -47,6 +49,9 @@ from throughput import Workload
 from pagedinfer.service.config import EngineConfig
 
 STARTUP_TIMEOUT_S = 600  # a first start converts the embedded model
+# What the server logs once its CPU executor serves every step, or where it never will.
+EXECUTOR_SERVING = "CPU executor: kernels ready"
+EXECUTOR_NOT_SERVING = ("CPU executor: not used", "CPU executor: warm-up failed")
 DEFAULT_LEVELS = "1,4,16,32"
 RATIO_TARGET = 0.9
 
@@ -121,7 +126,7 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--max-num-seqs", str(args.max_num_seqs),
         "--num-speculative-tokens", str(args.num_speculative_tokens),
-        "--num-threads", str(args.threads),
+        "--num-threads", str(args.threads), "--device", args.device,
     ]  # fmt: skip
     if args.model:
         flags += ["--model", args.model]
@@ -155,6 +160,28 @@ def stop_server(server: Server, timeout: float = 60) -> None:
         except subprocess.TimeoutExpired:
             server.process.kill()
             server.process.wait()
+
+
+def wait_for_cpu_executor(server: Server, url: str, model: str, timeout: float) -> str:
+    """Until the server's CPU executor serves, or its log says it will not.
+
+    The server compiles the CPU kernels in the background while the model's torch
+    forward serves, and the executor takes over at the first step after they are ready:
+    small requests keep steps coming until the log reports which of the two serves.
+    """
+    deadline = time.monotonic() + timeout
+    probe = Workload([[300, 301, 302, 303]], [2])
+    while True:
+        log = server.log.read_text(errors="replace")
+        if EXECUTOR_SERVING in log:
+            return "serving"
+        for marker in EXECUTOR_NOT_SERVING:
+            if marker in log:
+                return marker
+        if time.monotonic() > deadline:
+            return f"not reported within {timeout:.0f} s"
+        run_http(url, model, probe, 1)
+        time.sleep(0.5)
 
 
 def served_model(url: str) -> str:
@@ -309,6 +336,7 @@ def offline_config(args: argparse.Namespace, max_num_seqs: int) -> EngineConfig:
         max_num_seqs=max_num_seqs,
         num_speculative_tokens=args.num_speculative_tokens,
         num_threads=args.threads,
+        device=args.device,
     )
 
 
@@ -423,6 +451,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     ap.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--device", default="cpu", help="of the server started here and offline")
+    ap.add_argument(
+        "--executor-timeout",
+        type=float,
+        default=600,
+        help="seconds to wait for the CPU executor of the server started here",
+    )
     ap.add_argument("--plot", type=Path, default=Path(__file__).parent / "results" / "serving.png")
     ap.add_argument("--json", action="store_true", help="print only the JSON summary")
     args = ap.parse_args(argv)
@@ -472,6 +507,10 @@ def _run(args, levels, ratio_level, server, load_at_start, say) -> int:
         say("waiting for the server ...")
         wait_ready(server)
     model = served_model(url)
+    executor = "unknown: the server's log is not this run's"
+    if server is not None and args.device == "cpu":
+        say("waiting for the server's CPU executor ...")
+        executor = wait_for_cpu_executor(server, url, model, args.executor_timeout)
     say(
         f"{len(wl.prompts)} requests, {wl.prompt_tokens} prompt + {wl.output_tokens} output "
         f"tokens; levels {levels}; model {model}"
@@ -501,6 +540,7 @@ def _run(args, levels, ratio_level, server, load_at_start, say) -> int:
         },
         "server": {
             "started_here": server is not None,
+            "cpu_executor": executor,
             "model": model,
             "endpoint": "/v1/completions, stream=true",
         },

@@ -1,0 +1,74 @@
+"""benchmarks/serving.py end to end at toy size, so that it cannot rot: it starts its own
+server, streams the workload over HTTP at each concurrency level, runs the offline API
+on the same work, and prints one JSON with the HTTP/offline ratio and saves a plot.
+
+Speed is the benchmark's business, not the test's: only the shape and the token counts
+are checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "serving.py"
+REQUESTS = 3
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, default_model_dir) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("serving-bench")
+    plot = out / "serving.png"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--json", "--num-requests", str(REQUESTS),
+         "--prompt-mean", "16", "--output-mean", "4", "--max-model-len", "128",
+         "--concurrency", "1,2", "--ratio-concurrency", "2", "--threads", "1",
+         "--kv-cache-memory", str(64 * 2**20), "--plot", str(plot)],
+        cwd=out, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, f"serving.py failed:\n{result.stderr[-6000:]}"
+    return json.loads(result.stdout), plot
+
+
+def test_sweep_streams_every_token_at_each_level(run):
+    summary, _ = run
+    workload = summary["workload"]
+    assert workload["requests"] == REQUESTS
+    assert list(summary["http"]) == ["1", "2", str(REQUESTS)]  # the sweep, then all at once
+    for level, result in summary["http"].items():
+        assert result["concurrency"] == int(level)
+        assert result["errors"] == 0
+        assert result["successful"] == REQUESTS
+        assert result["output_tokens"] == workload["output_tokens"]
+        assert result["prompt_tokens"] == workload["prompt_tokens"]
+        assert result["output_tokens_per_s"] > 0
+        for key in ("ttft", "itl", "tpot", "e2e"):
+            assert 0 < result[f"{key}_p50_s"] <= result[f"{key}_p99_s"]
+
+
+def test_offline_api_runs_the_same_work_and_the_ratio_is_reported(run):
+    summary, _ = run
+    offline = summary["offline"]
+    assert offline["output_tokens"] == summary["workload"]["output_tokens"]
+    assert offline["max_num_seqs"] == 2
+    ratio = summary["ratio"]
+    assert ratio["concurrency"] == 2
+    expected = summary["http"]["2"]["output_tokens_per_s"] / offline["output_tokens_per_s"]
+    assert ratio["http_vs_offline_output_tokens_per_s"] == pytest.approx(expected, abs=1e-3)
+    assert ratio["meets_target"] == (ratio["http_vs_offline_output_tokens_per_s"] >= 0.9)
+
+
+def test_machine_load_and_plot_are_recorded(run):
+    summary, plot = run
+    assert summary["machine"]["load_average_at_start"] >= 0
+    assert summary["server"]["started_here"] is True
+    assert summary["server"]["cpu_executor"] == "serving"  # measured on the compiled path
+    assert plot.is_file() and plot.stat().st_size > 0
