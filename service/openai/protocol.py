@@ -21,7 +21,6 @@ MAX_STOP_STRINGS = 16  # OpenAI allows 4; some lm-eval tasks stop on 5
 MAX_STOP_LENGTH = 256  # characters; a stop string's length is held back while streaming
 MAX_STOP_TOKEN_IDS = 64
 MAX_SEED = 2**64 - 1
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class Strict(BaseModel):
@@ -179,7 +178,6 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
-    add_generation_prompt: bool = True
 
 
 class TokenizeRequest(Strict):
