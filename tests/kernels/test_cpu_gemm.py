@@ -108,7 +108,7 @@ def test_the_8_bit_grid_is_found_and_holds_every_value() -> None:
 
 def test_a_transposed_view_is_read_as_the_weight_it_shows() -> None:
     weight = affine4_weight(64, 256, seed=4)
-    stored = weight.t().contiguous()  # [in, out], as our Linear keeps it
+    stored = weight.t().contiguous()  # [in, out] storage, read through a transposed view
     grid = grid_gemm.to_grid(stored.t())
     assert grid is not None and torch.equal(grid.dense(), weight)
 
@@ -158,6 +158,22 @@ def test_every_row_carries_the_bits_of_the_fixed_order_in_a_call_of_any_size(mak
     assert torch.equal(torch.cat((whole[:7], whole[-17:])), expected)
     exact = (checked.double() @ weight.double().t()).float()
     torch.testing.assert_close(expected, exact, rtol=1e-4, atol=1e-4)
+
+
+def test_any_fp32_weight_in_tile_layout_carries_the_bits_of_the_fixed_order() -> None:
+    """A weight on no grid, held as already-rebuilt fp32 tiles (`rebuilt`), runs the same
+    kernels, in one pass over the weight and over scratch: the bits of one fused chain."""
+    generator = torch.Generator().manual_seed(9)
+    weight = torch.randn(192, 256, generator=generator)
+    tiles = grid_gemm.rebuilt(weight)
+    assert tiles is not None and tiles.kind == grid_gemm.REBUILT
+    assert grid_gemm.rebuilt(torch.randn(48, 256)) is None  # 3 tiles: not whole groups
+    assert grid_gemm.rebuilt(weight.double()) is None
+    order = grid_gemm.fixed_order(256)
+    x = torch.randn(grid_gemm.MAX_ROWS + 13, 256, generator=generator)
+    expected = emulate(weight, x, order)
+    for rows in (1, grid_gemm.WIDE_ROWS + 1, grid_gemm.MAX_ROWS, len(x)):
+        assert torch.equal(grid_gemm.grid_linear(x[:rows], tiles, order), expected[:rows]), rows
 
 
 def test_other_orders_give_other_bits() -> None:
@@ -293,8 +309,8 @@ needs_mkl = pytest.mark.skipif(
 @needs_mkl
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 def test_an_mkl_packed_weight_serves_every_batch_size(bias: bool) -> None:
-    """One packed weight, from a [in, out] tensor's transposed view as the model keeps it,
-    gives x @ W.T (+ b) below, at and above the batch its layout was tuned for."""
+    """One packed weight, from a transposed view of [in, out] storage, gives x @ W.T (+ b)
+    below, at and above the batch its layout was tuned for."""
     generator = torch.Generator().manual_seed(7)
     stored = torch.randn(256, 96, generator=generator)  # [in, out]
     b = torch.randn(96, generator=generator) if bias else None
