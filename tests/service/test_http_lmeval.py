@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from openai_server import start_http_server, stop_http_server
+from test_http_api import Api, vllm_value
+from test_server import start_server, stop_server
 
 pytestmark = pytest.mark.slow
 
@@ -35,9 +36,17 @@ def task_docs(name: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    server = start_http_server(tmp_path_factory.mktemp("lmeval-server"))
+    server = start_server(tmp_path_factory.mktemp("lmeval-server"))
     yield server
-    stop_http_server(server)
+    stop_server(server)
+
+
+def base_url(server) -> str:
+    return f"http://127.0.0.1:{server.http_port}"
+
+
+def served_model(server) -> str:
+    return Api(server).request("GET", "/v1/models").json()["data"][0]["id"]
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +55,8 @@ def evaluation(server, default_model_dir: Path, tmp_path_factory) -> tuple[dict,
     work = tmp_path_factory.mktemp("lmeval")
     model_args = ",".join(
         [
-            f"model={server.model}",
-            f"base_url={server.url}/v1/completions",
+            f"model={served_model(server)}",
+            f"base_url={base_url(server)}/v1/completions",
             f"tokenizer={default_model_dir}",
             "tokenizer_backend=huggingface",
             "tokenized_requests=True",
@@ -141,5 +150,8 @@ def test_generate_until_task_answers_and_stops_at_the_newline(evaluation):
 
 
 def test_server_is_idle_and_holds_no_blocks_afterwards(evaluation, server):
-    gauges = server.wait_idle()
-    assert gauges["vllm:kv_cache_usage_perc"] == 0
+    server.wait_all_blocks_free()
+    metrics = Api(server).metrics()
+    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                  "vllm:kv_cache_usage_perc"):  # fmt: skip
+        assert vllm_value(metrics, gauge) == 0, gauge

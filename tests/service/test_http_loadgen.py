@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from openai_server import start_http_server, stop_http_server
+from test_http_api import Api, vllm_value
+from test_server import start_server, stop_server
 
 pytestmark = pytest.mark.slow
 
@@ -28,9 +29,17 @@ PROMPT_TOKENS, OUTPUT_TOKENS = 32, 8
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    server = start_http_server(tmp_path_factory.mktemp("loadgen-server"))
+    server = start_server(tmp_path_factory.mktemp("loadgen-server"))
     yield server
-    stop_http_server(server)
+    stop_server(server)
+
+
+def base_url(server) -> str:
+    return f"http://127.0.0.1:{server.http_port}"
+
+
+def served_model(server) -> str:
+    return Api(server).request("GET", "/v1/models").json()["data"][0]["id"]
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +51,8 @@ def report(server, default_model_dir: Path, tmp_path_factory) -> tuple[dict, str
         "spec": {
             "backend": {
                 "kind": "openai_http",
-                "target": server.url,
-                "model": server.model,
+                "target": base_url(server),
+                "model": served_model(server),
                 "request_format": "/v1/chat/completions",
                 "http2": False,
                 "timeout": 300,
@@ -119,5 +128,8 @@ def test_summary_shows_nonzero_throughput_and_latencies(report):
 
 
 def test_server_is_idle_and_holds_no_blocks_afterwards(report, server):
-    gauges = server.wait_idle()
-    assert gauges["vllm:kv_cache_usage_perc"] == 0
+    server.wait_all_blocks_free()
+    metrics = Api(server).metrics()
+    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                  "vllm:kv_cache_usage_perc"):  # fmt: skip
+        assert vllm_value(metrics, gauge) == 0, gauge
