@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -124,13 +125,33 @@ def run(args: argparse.Namespace) -> int:
     from pagedinfer.service.config import config_from_args
 
     configure_logging(args.log_level)
-    config = config_from_args(args)
+    # A server reports SERVING once the model is loaded; the CPU backend's kernels compile
+    # (or load from the disk cache) in the background while the torch forward serves.
+    config = dataclasses.replace(config_from_args(args), compile_in_background=True)
     options = ServerOptions.from_args(args)
     try:
-        return asyncio.run(serve(config, options))
+        code = asyncio.run(serve(config, options))
     except OSError as exc:  # a port in use, an unreadable certificate
         log.error("cannot start the server: %s", exc)
-        return 1
+        code = 1
+    _exit_past_a_running_compile(code)
+    return code
+
+
+def _exit_past_a_running_compile(code: int) -> None:
+    """Exit now, skipping interpreter shutdown, if the CPU kernels are still compiling in
+    the background: LLVM aborts when its state is torn down under a compile. Everything
+    the server owns has been closed by then; only logs need flushing."""
+    if "pagedinfer.kernels.cpu.executor" not in sys.modules:
+        return
+    from pagedinfer.kernels.cpu import executor
+
+    if executor.warm_up_running():
+        log.info("exiting while the CPU kernels still compile in the background")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 # ------------------------------------------------------------------------ logging

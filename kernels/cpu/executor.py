@@ -47,6 +47,8 @@ from pagedinfer.kernels.validation import check_paged_attention, check_write_kv
 
 log = logging.getLogger(__name__)
 
+WARM_UP_THREAD = "cpu-executor-warm-up"
+
 # The architecture features (a model config's `features()`) this executor implements.
 # Rotary scalings only change the cos/sin table, which it reads from the model.
 SUPPORTED_FEATURES = frozenset(
@@ -519,6 +521,12 @@ def rebuilt_grids(model: nn.Module) -> tuple[list[list[Any]], Any] | None:
     return None if lm_head is None else (layers, lm_head)
 
 
+def warm_up_running() -> bool:
+    """Whether a background warm-up is still compiling: a process must not run its
+    interpreter shutdown under it (LLVM aborts when its state is torn down mid-compile)."""
+    return any(t.name == WARM_UP_THREAD and t.is_alive() for t in threading.enumerate())
+
+
 def choose_mode(model: nn.Module) -> tuple[str, bool] | None:
     """Which GEMMs and whether compiled kernels serve this model on this CPU: decided by
     the weights' dtype and the CPU's features, never by timing anything. "grid" becomes
@@ -560,7 +568,7 @@ def prepare(model: nn.Module, block_size: int, background: bool = False) -> CpuE
         threading.Thread(
             target=executor.build_and_warm_up,
             args=(block_size,),
-            name="cpu-executor-warm-up",
+            name=WARM_UP_THREAD,
             daemon=True,
         ).start()
     else:

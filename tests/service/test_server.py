@@ -517,3 +517,21 @@ def test_sigterm_lets_running_requests_finish_and_aborts_the_rest(strict_server)
     assert server.process.wait(60) == 0
     log = server.log_tail()
     assert '"msg": "shutting down"' in log and '"msg": "stopped"' in log
+
+
+def test_a_server_stopped_while_its_kernels_still_compile_exits_cleanly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With an empty kernel cache the CPU backend compiles in the background while the
+    torch forward serves; a SIGTERM then must still end the process with status 0 (not
+    an abort from LLVM torn down under the compile)."""
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "empty-numba-cache"))
+    monkeypatch.delenv("PAGEDINFER_NUMBA_PREBUILT", raising=False)
+    server = start_server(tmp_path)
+    reply = next(iter(server.stub.Generate(
+        pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingParams(max_tokens=2)),
+        metadata=server.metadata, timeout=120,
+    )))  # fmt: skip
+    assert reply.token_ids
+    assert stop_server(server) == 0, server.log_tail()
+    assert "still compile in the background" in server.log_tail()
