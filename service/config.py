@@ -43,6 +43,10 @@ class EngineConfig:
     # carries enough rows already: there a draft's rejected tokens cost a row each and
     # its kept ones save a pass only for the longest requests (see spec_decode.py).
     speculative_max_running: int = 64
+    # The CPU backend (kernels/cpu) compiles its kernels in a background thread while the
+    # model's torch forward serves, instead of before the engine starts (a server that
+    # should report ready quickly sets it).
+    compile_in_background: bool = False
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -197,4 +201,6 @@ def add_engine_arguments(parser) -> None:
 
 
 def config_from_args(args) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+    # Settings without a flag (compile_in_background) keep their defaults.
+    given = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if hasattr(args, f.name)}
+    return EngineConfig(**given)

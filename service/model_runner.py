@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagedinfer.kernels import AttentionMetadata
 from pagedinfer.service import memory
 from pagedinfer.service.config import EngineConfig
 from pagedinfer.service.loader import LoadedModel
-from pagedinfer.service.models.llama import AttentionMetadata, ModelConfig
+from pagedinfer.service.models.llama import ModelConfig
 from pagedinfer.service.request import Request
 from pagedinfer.service.sampler import argmax_only, prompt_logprobs
 from pagedinfer.service.scheduler import SchedulerOutput
@@ -102,8 +103,23 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         self.block_size = config.block_size
         cfg = loaded.config
+        # The CPU backend, where it serves this model here; until its kernels are ready
+        # (compiled in the background) the model's own forward serves. Prepared before
+        # the KV cache is sized from the memory left, which its weights take from.
+        self.executor = None
+        if device.type == "cpu":
+            from pagedinfer.kernels import cpu
+
+            self.executor = cpu.prepare(
+                self.model, config.block_size, background=config.compile_in_background
+            )
+        building = self.executor is not None and not self.executor.active
         self.num_blocks = num_kv_blocks(
-            config, kv_block_bytes(loaded, config.block_size, self.dtype), device, cfg
+            config,
+            kv_block_bytes(loaded, config.block_size, self.dtype),
+            device,
+            cfg,
+            self.executor.mode if building else None,
         )
         shape = (self.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeros, not empty: the kernels mask unwritten slots, but a clean cache keeps
@@ -138,14 +154,15 @@ class ModelRunner:
         if not out.scheduled:
             return ModelOutput(torch.empty(0, 0), [], [])
         inputs = self._prepare(out)
-        logits, tokens = self.model(
-            inputs.input_ids,
-            inputs.positions,
-            self.kv_caches,
-            inputs.attn,
-            inputs.logits_indices,
-            inputs.greedy,
-        )
+        args = (inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        executor = self.executor
+        if executor is not None and not executor.active and executor.ready:
+            executor.activate()
+            log.info("CPU executor: kernels ready, serving every step")
+        if executor is not None and executor.active:
+            logits, tokens = executor.forward(*args, inputs.logits_indices, inputs.greedy)
+        else:
+            logits, tokens = self.model(*args, inputs.logits_indices), None
         logits = logits.float().cpu()
         scored: dict[str, tuple[int, list[dict]]] = {}
         if inputs.prompt_rows:  # the rows after the sampled ones
