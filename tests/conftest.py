@@ -54,7 +54,53 @@ TINY_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "mistral": ("MistralConfig", {"sliding_window": None, "tie_word_embeddings": False}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
+    # head_dim 32, not hidden_size / num_heads = 16; q/k norms.
+    "qwen3": ("Qwen3Config", {"head_dim": 32, "tie_word_embeddings": False}),
+    # Phi-4-mini's shape of rope: half of each head rotates, LongRoPE past 64 positions.
+    "phi3": (
+        "Phi3Config",
+        {
+            "tie_word_embeddings": False,
+            "original_max_position_embeddings": 64,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.3, 2.1, 3.4],
+                "long_factor": [1.5, 3.0, 6.5, 11.0],
+            },
+            "pad_token_id": None,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+    ),
+    # Layer 1 without rotary embedding (NoPE).
+    "smollm3": (
+        "SmolLM3Config",
+        {"no_rope_layers": [1, 0], "pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2},
+    ),
+    # A local (sliding-window) and a global layer, each with its own rope; the window
+    # covers the whole context. query_pre_attn_scalar differs from head_dim.
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 32,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 512,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            },
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+    ),
 }
+# Presets whose norm weights are randomised too (by default they start as the identity,
+# which would hide a norm read wrongly).
+RANDOM_NORMS = {"qwen3", "phi3", "smollm3", "gemma3"}
 
 
 @pytest.fixture(scope="session")
@@ -69,7 +115,7 @@ def default_model_dir() -> Path:
 def make_tiny_model(
     tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path
 ) -> Callable[..., Path]:
-    """Factory: `make_tiny_model("llama" | "llama3_rope" | "mistral" | "qwen2", **overrides)`.
+    """Factory: `make_tiny_model(preset, **overrides)`, preset a key of TINY_PRESETS.
 
     Saves a random-weight model with transformers' own config class (seeded, so it is
     reproducible) plus the default model's tokenizer, and returns its directory.
@@ -89,9 +135,12 @@ def make_tiny_model(
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         # Random-init biases are zero; make every bias a model has count.
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                torch.nn.init.normal_(param, std=0.5)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("bias"):
+                    torch.nn.init.normal_(param, std=0.5)
+                elif preset in RANDOM_NORMS and "norm" in name:
+                    param.add_(torch.randn_like(param), alpha=0.3)
         out = tmp_path_factory.mktemp(f"tiny-{preset}")
         model.save_pretrained(out)
         for file in TOKENIZER_FILES:

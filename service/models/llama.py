@@ -1,393 +1,45 @@
 """Our forward pass for Llama-family decoders (Llama, Mistral, Qwen2, SmolLM).
 
-One flat batch of tokens, no padding: the tokens of every running sequence are packed
-into `input_ids [T]` with their `positions [T]`; attention goes through the paged KV
-cache with `pagedinfer.kernels`. Logits are computed only for the rows that sample.
-
-This is the reference every backend must match: plain torch over the kernel contract.
-Weights use the fused layout: q/k/v are one `qkv_proj`, gate/up one `gate_up_proj`,
-so each layer runs four GEMMs. The loader fills them from Hugging Face checkpoints.
+They differ only in config facts (biases, tying, rope scaling), not in code: the
+pre-norm decoder of `layers`, h += attention(rms_norm(h)); h += mlp(rms_norm(h)), with a
+SiLU-gated MLP and a rotary embedding of every head. This is the reference every backend
+must match: plain torch over the kernel contract (see `layers`).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from typing import Any
-
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-from pagedinfer import kernels
 from pagedinfer.kernels import AttentionMetadata
-from pagedinfer.kernels.validation import check_paged_attention
-
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
-
-# Every architecture feature this model layer implements, by name. A backend lists the
-# ones it implements too (`supports`), and serves only configs whose features it has all.
-FEATURES = (
-    "rms_norm",  # pre-norm RMSNorm (x * weight) before attention and MLP, and at the end
-    "silu_glu",  # MLP down(silu(gate(x)) * up(x))
-    "rope_neox",  # rotary embedding of the whole head, neox pairing (the two halves)
-    "rope_scaling_linear",
-    "rope_scaling_dynamic",
-    "rope_scaling_llama3",
-    "rope_scaling_yarn",
-    "grouped_query_attention",  # fewer KV heads than query heads
-    "qkv_bias",
-    "o_proj_bias",
-    "mlp_bias",
-    "tied_embeddings",  # the LM head reads the token embeddings
-    "untied_lm_head",
+from pagedinfer.service.models.config import FEATURES, SUPPORTED_ROPE_TYPES, ModelConfig
+from pagedinfer.service.models.layers import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    DecoderModel,
+    Embedding,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    rope_inv_freq,
 )
 
-
-@dataclass
-class ModelConfig:
-    """The architecture facts our forward pass needs, whatever checkpoint they came from."""
-
-    architecture: str  # "llama", "mistral" or "qwen2"
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
-    tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v biases (Qwen2; Llama with attention_bias)
-    max_position_embeddings: int
-    eos_token_ids: list[int] = field(default_factory=list)
-    name: str = ""
-    o_proj_bias: bool = False  # Llama's attention_bias also covers o_proj; Qwen2's does not
-    mlp_bias: bool = False
-
-    def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads != 0:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of "
-                f"num_kv_heads ({self.num_kv_heads})"
-            )
-        if self.head_dim % 2 != 0:
-            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"rope scaling type {rope_type!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-            )
-
-    def features(self) -> frozenset[str]:
-        """The architecture features (`FEATURES`) a forward pass of this config uses."""
-        used = {"rms_norm", "silu_glu", "rope_neox"}
-        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type != "default":
-            used.add(f"rope_scaling_{rope_type}")
-        if self.num_kv_heads < self.num_heads:
-            used.add("grouped_query_attention")
-        for flag, name in (
-            (self.attention_bias, "qkv_bias"),
-            (self.o_proj_bias, "o_proj_bias"),
-            (self.mlp_bias, "mlp_bias"),
-        ):
-            if flag:
-                used.add(name)
-        used.add("tied_embeddings" if self.tie_word_embeddings else "untied_lm_head")
-        return frozenset(used)
+__all__ = [
+    "FEATURES",
+    "MLP",
+    "SUPPORTED_ROPE_TYPES",
+    "Attention",
+    "AttentionMetadata",
+    "DecoderLayer",
+    "Embedding",
+    "Linear",
+    "LlamaModel",
+    "ModelConfig",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "apply_rotary",
+    "rope_inv_freq",
+]
 
 
-def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and the cos/sin scale, as Hugging Face computes them per rope type."""
-    dim = config.head_dim
-    base = config.rope_theta
-    scaling = config.rope_scaling or {}
-    rope_type = scaling.get("rope_type", "default")
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    inv_freq = 1.0 / (base**exponents)
-    # "dynamic" NTK equals the default below max_position_embeddings; the loader refuses
-    # longer contexts, where it would depend on the running length.
-    if rope_type in ("default", "dynamic"):
-        return inv_freq, 1.0
-    factor = float(scaling["factor"])
-    if rope_type == "linear":
-        return inv_freq / factor, 1.0
-    original_max = scaling.get("original_max_position_embeddings", config.max_position_embeddings)
-    if rope_type == "llama3":
-        low_freq_factor = scaling["low_freq_factor"]
-        high_freq_factor = scaling["high_freq_factor"]
-        low_freq_wavelen = original_max / low_freq_factor
-        high_freq_wavelen = original_max / high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (original_max / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-        return torch.where(medium, smoothed, scaled), 1.0
-    # yarn
-    return _yarn_inv_freq(scaling, dim, base, factor, original_max)
-
-
-def _yarn_inv_freq(
-    scaling: dict[str, Any], dim: int, base: float, factor: float, original_max: int
-) -> tuple[torch.Tensor, float]:
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    attention_factor = scaling.get("attention_factor")
-    if attention_factor is None:
-        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        attention_factor = (
-            mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-        )
-    beta_fast = scaling.get("beta_fast") or 32
-    beta_slow = scaling.get("beta_slow") or 1
-
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(original_max / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if scaling.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
-    extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
-        1.0 / pos_freqs
-    ) * extrapolation
-    return inv_freq, float(attention_factor)
-
-
-class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding from a precomputed cos/sin table indexed by position."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        half = config.head_dim // 2
-        self.register_buffer(
-            "cos_sin", torch.empty(config.max_position_embeddings, 2, half), persistent=False
-        )
-        if self.cos_sin.device.type != "meta":
-            self.reset_cache()
-
-    def reset_cache(self) -> None:
-        """(Re)compute the table in place on its device: after `to_empty`, for example."""
-        inv_freq, scale = rope_inv_freq(self.config)
-        positions = torch.arange(self.config.max_position_embeddings, dtype=torch.float32)
-        angles = torch.outer(positions, inv_freq)
-        table = torch.stack((angles.cos() * scale, angles.sin() * scale), dim=1)
-        self.cos_sin.copy_(table)
-
-    def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        """cos and sin [T, 2, head_dim / 2] of positions [T]; once per forward, shared by layers."""
-        return self.cos_sin[positions]
-
-
-def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> None:
-    """Rotate x [T, heads, head_dim] in place (neox style: the two halves form the pairs)
-    by cos_sin [T, 2, head_dim / 2] (`RotaryEmbedding`)."""
-    cos, sin = cos_sin[:, 0].unsqueeze(1), cos_sin[:, 1].unsqueeze(1)
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated1 = x1 * cos - x2 * sin
-    x2.mul_(cos).addcmul_(x1, sin)
-    x1.copy_(rotated1)
-
-
-class Linear(nn.Module):
-    """y = x @ weight.T (+ bias), weight [out_features, in_features] as in checkpoints.
-
-    Parameters are left uninitialised: the loader fills every one from the checkpoint.
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-    def add_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
-        """out += x @ weight.T (+ bias), with the addition fused into the GEMM."""
-        out.addmm_(x, self.weight.t())
-        if self.bias is not None:
-            out += self.bias
-
-
-class Embedding(nn.Module):
-    """Token embeddings [vocab, hidden] (uninitialised until loaded); tied, also the LM
-    head's weight."""
-
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x / rms(x) * weight, in fp32, rounded once at the end for 16-bit input."""
-        xf = x.float()
-        scale = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (xf * scale * self.weight.float()).to(x.dtype)
-
-
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.head_dim**-0.5
-        self.qkv_proj = Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
-        )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
-
-    def forward(
-        self,
-        residual: torch.Tensor,
-        x: torch.Tensor,
-        rope: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        attn: AttentionMetadata,
-    ) -> None:
-        """residual += attention(x), in place."""
-        num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
-        # q and k heads are adjacent columns: rotated in one pass.
-        qk = qkv[:, : self.q_size + self.kv_size].view(
-            num_tokens, self.num_heads + self.num_kv_heads, self.head_dim
-        )
-        apply_rotary(qk, rope)
-        query = qk[:, : self.num_heads]
-        key = qk[:, self.num_heads :]
-        value = qkv[:, self.q_size + self.kv_size :].view(
-            num_tokens, self.num_kv_heads, self.head_dim
-        )
-        k_cache, v_cache = kv_cache
-        # The model runner built valid metadata: skip the checks that read index tensors,
-        # and all checks after the first layer's.
-        validate = not attn.validated
-        kernels.write_kv(
-            key, value, k_cache, v_cache, attn.slot_mapping, check_values=False, validate=validate
-        )
-        args = (query, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc)
-        if validate:  # before the plan is built from the metadata
-            check_paged_attention(*args, self.scale, None, check_values=False)
-        # On CPU the layers of one forward share the batch's attention plan.
-        plan = None if kernels.use_triton(k_cache) else attn.plan_for(query, k_cache, v_cache)
-        out = kernels.paged_attention(*args, self.scale, validate=False, plan=plan)
-        attn.validated = True
-        self.o_proj.add_into(residual, out.view(num_tokens, self.q_size))
-
-
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
-        )
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-
-    def forward(self, residual: torch.Tensor, x: torch.Tensor) -> None:
-        """residual += down(silu(gate(x)) * up(x)), in place."""
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        self.down_proj.add_into(residual, F.silu(gate).mul_(up))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
-
-    def linears(self) -> tuple[Linear, Linear, Linear, Linear]:
-        """The layer's GEMMs, in the order they run: q/k/v, o, gate/up, down."""
-        attn, mlp = self.self_attn, self.mlp
-        return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        rope: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        attn: AttentionMetadata,
-    ) -> torch.Tensor:
-        # hidden is the residual stream; each block adds its output into it in place.
-        self.self_attn(hidden, self.input_layernorm(hidden), rope, kv_cache, attn)
-        self.mlp(hidden, self.post_attention_layernorm(hidden))
-        return hidden
-
-
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderModel):
     """A Llama-family decoder over a flat token batch with a paged KV cache."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.rotary = RotaryEmbedding(config)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # Tied: the LM head reads embed_tokens.weight (no second parameter to keep in sync).
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
-
-    def lm_head_weight(self) -> torch.Tensor:
-        """[vocab, hidden], nn.Linear's layout."""
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        attn: AttentionMetadata,
-        logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
-        """Run the new tokens through every layer; return the fp32 logits [S, vocab] of the
-        rows logits_indices (int64 [S]) of the batch.
-
-        input_ids, positions: int64 [T]. kv_caches: one (k_cache, v_cache) per layer,
-        each [num_blocks, block_size, num_kv_heads, head_dim].
-        """
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(
-                f"kv_caches has {len(kv_caches)} entries for {len(self.layers)} layers"
-            )
-        hidden = self.embed_tokens(input_ids)
-        rope = self.rotary(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, rope, kv_cache, attn)
-        # Only the sampled rows need the final norm and the (large) vocabulary projection.
-        return self.compute_logits(self.norm(hidden[logits_indices]))
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head: fp32 logits [S, vocab] of final-normed hidden states [S, hidden]."""
-        return F.linear(hidden, self.lm_head_weight()).float()

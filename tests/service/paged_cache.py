@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from pagedinfer.kernels import AttentionMetadata
-from pagedinfer.service.models.llama import LlamaModel, ModelConfig
+from pagedinfer.service.models import DecoderModel, ModelConfig
 
 BLOCK_SIZE = 16
 
@@ -54,7 +54,7 @@ class PagedCache:
         rows: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`step`'s forward: (logits, tokens) for every new token, or for the new tokens at
-        `rows`. model: a `LlamaModel` (tokens None) or a `CpuExecutor` (greedy: bool, per
+        `rows`. model: a `DecoderModel` (tokens None) or a `CpuExecutor` (greedy: bool, per
         such token, as the executor takes it)."""
         ids, positions, slots, seq_ids, seq_lens, starts = [], [], [], [], [], [0]
         for seq, tokens, start in chunks:
@@ -79,7 +79,7 @@ class PagedCache:
             attn,
             torch.arange(starts[-1]) if rows is None else torch.tensor(rows, dtype=torch.long),
         )
-        if isinstance(model, LlamaModel):
+        if isinstance(model, DecoderModel):
             return model(*args), None
         return model.forward(*args, greedy)
 

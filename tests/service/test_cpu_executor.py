@@ -13,7 +13,7 @@ import torch
 from paged_cache import BLOCK_SIZE, PagedCache
 
 from pagedinfer.kernels import cpu
-from pagedinfer.service.models.llama import FEATURES, LlamaModel, ModelConfig
+from pagedinfer.service.models import FEATURES, DecoderModel, ModelConfig, build_model
 
 BASE: dict[str, Any] = {
     "architecture": "llama",
@@ -58,6 +58,24 @@ FEATURE_CASES: dict[str, dict[str, Any]] = {
     "mlp_bias": {"mlp_bias": True},
     "tied_embeddings": {"tie_word_embeddings": True},
     "untied_lm_head": {},
+    "rope_scaling_longrope": {
+        "rope_scaling": {
+            "rope_type": "longrope",
+            "factors": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
+            "attention_factor": 1.2,
+        }
+    },
+    "partial_rotary": {"partial_rotary_factor": 0.5},
+    "no_rope_layers": {"nope_layers": (1,)},
+    "local_layer_rope": {"local_layers": (0,), "local_rope_theta": 100.0},
+    "sliding_window": {"local_layers": (0, 1), "sliding_window": 8},  # shorter than a prompt
+    "qk_norm": {"architecture": "qwen3", "qk_norm": True},
+    "query_pre_attn_scalar": {"query_pre_attn_scalar": 32.0},
+    "final_logit_softcapping": {"final_logit_softcapping": 3.0},
+    **dict.fromkeys(
+        ("gemma_rms_norm", "gelu_tanh_glu", "scaled_embeddings", "sandwich_norms"),
+        {"architecture": "gemma3", "qk_norm": True, "query_pre_attn_scalar": 16.0},
+    ),
 }
 
 # A prompt each for two sequences, then a decode and a four-token run.
@@ -66,10 +84,11 @@ PROMPTS = [(0, [3, 17, 99, 5, 42, 7, 8, 200, 31, 64, 12, 9, 150, 77, 1, 2, 3, 4,
 NEXT = [(0, [11], 19), (1, [5, 6, 7, 8], 6)]
 
 
-def random_model(config: ModelConfig, seed: int = 0) -> LlamaModel:
-    """A model with seeded random weights, biases and norms (none left at their init)."""
+def random_model(config: ModelConfig, seed: int = 0) -> DecoderModel:
+    """The architecture's model with seeded random weights, biases and norms (none left
+    at their init)."""
     generator = torch.Generator().manual_seed(seed)
-    model = LlamaModel(config).eval()
+    model = build_model(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator)
