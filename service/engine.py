@@ -108,7 +108,8 @@ class LLMEngine:
         self.vocab_size = loaded.config.vocab_size
         self.eos_token_ids = set(loaded.config.eos_token_ids)
         self.runner = ModelRunner(config, loaded, self.device)
-        self.scheduler = Scheduler(config, self.runner.num_blocks)
+        # A model windowed on every layer frees the KV blocks behind its window.
+        self.scheduler = Scheduler(config, self.runner.num_blocks, loaded.config.kv_window)
         self.sampler = Sampler()
         self._groups: dict[str, _Group] = {}
         # Every sample's id, forked or not yet, -> its group's id: ids never clash.

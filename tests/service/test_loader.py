@@ -184,14 +184,17 @@ def test_bfloat16_load(make_tiny_model: Callable[..., Path]) -> None:
     assert all(p.dtype == torch.bfloat16 for p in loaded.model.parameters())
 
 
-def test_sliding_window_shorter_than_context_is_refused(
+def test_sliding_window_shorter_than_context_is_served_windowed(
     make_tiny_model: Callable[..., Path],
 ) -> None:
     path = make_tiny_model("mistral", sliding_window=256)
-    with pytest.raises(ValueError, match=r"sliding_window=256 is shorter than .* 512"):
-        load_model(str(path), CPU, torch.float32)
+    config = load_model(str(path), CPU, torch.float32).config
+    assert (config.sliding_window, config.local_layers, config.kv_window) == (256, (0, 1), 256)
+    assert "sliding_window" in config.features()
     # Served no longer than the window, sliding-window attention is full attention.
-    assert load_model(str(path), CPU, torch.float32, max_model_len=256).config.num_layers == 2
+    short = load_model(str(path), CPU, torch.float32, max_model_len=256).config
+    assert (short.sliding_window, short.local_layers, short.kv_window) == (None, (), None)
+    assert "sliding_window" not in short.features()
 
 
 def test_missing_weights_are_refused(make_tiny_model: Callable[..., Path], tmp_path: Path) -> None:
@@ -247,16 +250,6 @@ def test_directory_without_safetensors(tmp_path: Path) -> None:
         ({"rope_scaling": {"type": "longrope", "factor": 4.0}}, "'longrope'"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
         ({"max_position_embeddings": 1024}, "max_model_len=2048 exceeds .*=1024"),
-        ({"model_type": "mistral", "sliding_window": 1024}, "sliding_window=1024"),
-        (
-            {
-                "model_type": "qwen2",
-                "use_sliding_window": True,
-                "sliding_window": 512,
-                "max_window_layers": 1,
-            },
-            "sliding_window=512",
-        ),
     ],
 )
 def test_unsupported_configs_are_refused(overrides: dict[str, Any], message: str) -> None:
@@ -269,6 +262,11 @@ def test_qwen2_window_unused_below_max_window_layers() -> None:
         model_type="qwen2", use_sliding_window=True, sliding_window=512, max_window_layers=2
     )
     assert model_config_from_hf(raw, max_model_len=2048).attention_bias
+    assert model_config_from_hf(raw, max_model_len=2048).sliding_window is None
+    # From max_window_layers on, layers are windowed; the others keep all their KV.
+    config = model_config_from_hf({**raw, "max_window_layers": 1}, max_model_len=2048)
+    assert (config.sliding_window, config.local_layers, config.kv_window) == (512, (1,), None)
+    assert [config.layer_window(i) for i in range(2)] == [None, 512]
 
 
 def test_legacy_and_current_rope_fields_agree() -> None:
