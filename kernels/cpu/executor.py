@@ -193,7 +193,7 @@ class CpuExecutor:
 
     def _run_warm_up_batches(self, block_size: int) -> None:
         config = self.config
-        num_blocks = 8
+        num_blocks = max(8, 2 * -(-16 // block_size))  # room for the steps below at any size
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         dtype = self.config_dtype()
         caches = [
