@@ -1,21 +1,26 @@
 """Serving over the OpenAI-compatible HTTP API, side by side with the offline API.
 
-Drives a pagedinfer server through `POST /v1/completions`, streamed as server-sent
-events, with throughput.py's mixed workload (fixed seed, fixed output lengths, EOS
-ignored): all requests at once, and a sweep of concurrency levels (at most C requests in
-flight; the next is sent as one finishes). Each level reports output tokens/s, time to
-first token, inter-token latency (the gaps between streamed chunks) and time per output
-token, as percentiles. In the same run the offline API (`pagedinfer.service.LLM`) serves
-the same work with the same engine settings and at most C sequences running, and the
-HTTP/offline ratio of output tokens/s is reported: serving at 32 streams should reach
-at least 0.9 of the offline rate (DESIGN.md section 8).
+Drives a pagedinfer server over HTTP, every response streamed as server-sent events,
+with throughput.py's workloads (fixed output lengths, EOS ignored): `mixed`, its random
+token ids with lognormal lengths and a fixed seed, sent to `POST /v1/completions`; or
+`chat`, real chat prompts (benchmarks/workloads/) sent as messages to
+`POST /v1/chat/completions`. All requests at once, and a sweep of concurrency levels (at
+most C requests in flight; the next is sent as one finishes). Each level reports output
+tokens/s, time to first token, inter-token latency (the gaps between streamed chunks)
+and time per output token, as percentiles. In the same run the offline API
+(`pagedinfer.service.LLM`) serves the same work with the same engine settings and at
+most C sequences running, and the HTTP/offline ratio of output tokens/s is reported:
+serving at 32 streams should reach at least 0.9 of the offline rate (DESIGN.md
+section 8).
 
-Every run gets prompts of its own (the workload's lengths, fresh random tokens), so that
-no run finds an earlier one's prompts in the server's prefix cache. A server started here
-is measured once its CPU executor serves (it compiles in the background while the torch
-forward serves); warm a server given by --url yourself.
+No run finds an earlier one's prompts in the server's prefix cache: each mixed run gets
+prompts of its own (the workload's lengths, fresh random tokens), each chat run a
+`cache_salt` of its own. A server started here is measured once its CPU executor serves
+(it compiles in the background while the torch forward serves); warm a server given by
+--url yourself.
 
     python benchmarks/serving.py --json          # starts a server on 127.0.0.1 itself
+    python benchmarks/serving.py --json --workload chat
     python benchmarks/serving.py --url http://127.0.0.1:8000 --no-offline
 
 Prints one JSON object and saves a PNG plot.
@@ -75,14 +80,34 @@ def fresh_tokens(wl: Workload, vocab: int, seed: int) -> Workload:
     return Workload(prompts, list(wl.output_lens))
 
 
-def model_vocab_size(model: str | None) -> int:
-    """The vocabulary of the model the server runs, read from its config (no weights)."""
+def model_dir(model: str | None) -> Path:
+    """The Hugging Face directory of the model the server runs (config and tokenizer)."""
     from pagedinfer.service.loader import ensure_converted_gguf, ensure_default_model
 
     path = Path(model) if model else ensure_default_model()
-    if path.suffix == ".gguf":
-        path = ensure_converted_gguf(path)
-    return int(json.loads((path / "config.json").read_text())["vocab_size"])
+    return ensure_converted_gguf(path) if path.suffix == ".gguf" else path
+
+
+def chat_requests(directory: Path, args: argparse.Namespace) -> tuple[Workload, list]:
+    """The chat workload's first --num-requests prompts: their messages, as sent to
+    /v1/chat/completions, and their token ids under the model's chat template, as the
+    offline API gets them (and as the server's usage must count them)."""
+    from transformers import AutoTokenizer
+    from workloads.chat import CHAT_PROMPTS, load_chat_prompts, render
+
+    prompts = load_chat_prompts(args.chat_prompts or CHAT_PROMPTS)
+    if not 1 <= args.num_requests <= len(prompts):
+        raise ValueError(
+            f"the chat workload has {len(prompts)} prompts; --num-requests {args.num_requests}"
+        )
+    prompts = prompts[: args.num_requests]
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    messages = [p["messages"] for p in prompts]
+    wl = Workload([render(tokenizer, m) for m in messages], [p["output_tokens"] for p in prompts])
+    for i, (ids, n) in enumerate(zip(wl.prompts, wl.output_lens, strict=True)):
+        if len(ids) + n > args.max_model_len:
+            raise ValueError(f"chat prompt {i} needs {len(ids)} + {n} tokens, over --max-model-len")
+    return wl, messages
 
 
 # --- the server -------------------------------------------------------------------------
@@ -180,7 +205,7 @@ def wait_for_cpu_executor(server: Server, url: str, model: str, timeout: float) 
                 return marker
         if time.monotonic() > deadline:
             return f"not reported within {timeout:.0f} s"
-        run_http(url, model, probe, 1)
+        run_http(url, model, Run(probe), 1)
         time.sleep(0.5)
 
 
@@ -192,28 +217,58 @@ def served_model(url: str) -> str:
 # --- the HTTP client --------------------------------------------------------------------
 
 
-async def stream_completion(
-    session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int
+@dataclass
+class Run:
+    """One run's requests: the workload's token ids and output lengths, and for the chat
+    workload the messages that render to those ids (sent to /v1/chat/completions)."""
+
+    wl: Workload
+    messages: list[list[dict]] | None = None
+    cache_salt: str | None = None  # keeps the server's prefix cache to this run's requests
+
+    def payload(self, model: str, i: int) -> tuple[str, dict]:
+        """The request for the i-th prompt: exactly its output length, greedy, EOS ignored,
+        streamed with usage."""
+        body: dict = {
+            "model": model,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.cache_salt is not None:
+            body["cache_salt"] = self.cache_salt
+        if self.messages is None:
+            body.update(prompt=self.wl.prompts[i], max_tokens=self.wl.output_lens[i])
+            return "/v1/completions", body
+        body.update(messages=self.messages[i], max_completion_tokens=self.wl.output_lens[i])
+        return "/v1/chat/completions", body
+
+
+def carries_text(chunk: dict) -> bool:
+    """Whether a streamed chunk brings output text (a completion's `text`, a chat delta's
+    `content`); the chat stream's first chunk carries only the role."""
+    for choice in chunk.get("choices") or ():
+        if choice.get("text") or (choice.get("delta") or {}).get("content"):
+            return True
+    return False
+
+
+async def stream_request(
+    session: aiohttp.ClientSession, url: str, path: str, body: dict, prompt_tokens: int
 ) -> StreamResult:
-    """One streamed completion of exactly `max_tokens` tokens (EOS ignored, greedy)."""
-    payload = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    """One streamed request, checked against the work it was meant to do: its usage must
+    count the prompt's tokens and the output length asked for."""
+    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
     result = StreamResult()
     start = time.perf_counter()
     last = start
     usage = None
     try:
-        async with session.post(f"{url}/v1/completions", json=payload) as response:
+        async with session.post(f"{url}{path}", json=body) as response:
             if response.status != 200:
-                body = (await response.text())[:300]
-                result.error = f"HTTP {response.status}: {body}"
+                text = (await response.text())[:300]
+                result.error = f"HTTP {response.status}: {text}"
                 return result
             async for raw in response.content:
                 line = raw.strip()
@@ -227,7 +282,7 @@ async def stream_completion(
                     result.error = f"error event: {chunk['error']}"
                     return result
                 now = time.perf_counter()
-                if chunk.get("choices"):
+                if carries_text(chunk):
                     if result.ttft is None:
                         result.ttft = now - start
                     else:
@@ -243,29 +298,30 @@ async def stream_completion(
         result.error = "the stream carried no usage (stream_options.include_usage)"
     elif usage["completion_tokens"] != max_tokens:
         result.error = f"{usage['completion_tokens']} tokens streamed, {max_tokens} asked for"
+    elif usage["prompt_tokens"] != prompt_tokens:
+        result.error = f"a prompt of {usage['prompt_tokens']} tokens, {prompt_tokens} expected"
     else:
         result.output_tokens = usage["completion_tokens"]
         result.prompt_tokens = usage["prompt_tokens"]
     return result
 
 
-async def serve_workload(
-    url: str, model: str, wl: Workload, concurrency: int
+async def serve_run(
+    url: str, model: str, run: Run, concurrency: int
 ) -> tuple[list[StreamResult], float]:
-    """Every request of `wl`, in order, with at most `concurrency` in flight."""
+    """Every request of the run, in order, with at most `concurrency` in flight."""
     gate = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=600)
     connector = aiohttp.TCPConnector(limit=0)
 
-    async def one(session, prompt, max_tokens):
+    async def one(session, i):
+        path, body = run.payload(model, i)
         async with gate:
-            return await stream_completion(session, url, model, prompt, max_tokens)
+            return await stream_request(session, url, path, body, len(run.wl.prompts[i]))
 
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         start = time.perf_counter()
-        results = await asyncio.gather(
-            *(one(session, p, n) for p, n in zip(wl.prompts, wl.output_lens, strict=True))
-        )
+        results = await asyncio.gather(*(one(session, i) for i in range(len(run.wl.prompts))))
         elapsed = time.perf_counter() - start
     return list(results), elapsed
 
@@ -317,9 +373,9 @@ def summarise_http(
     return summary
 
 
-def run_http(url: str, model: str, wl: Workload, concurrency: int) -> dict:
-    results, elapsed = asyncio.run(serve_workload(url, model, wl, concurrency))
-    return summarise_http(concurrency, wl, results, elapsed)
+def run_http(url: str, model: str, run: Run, concurrency: int) -> dict:
+    results, elapsed = asyncio.run(serve_run(url, model, run, concurrency))
+    return summarise_http(concurrency, run.wl, results, elapsed)
 
 
 # --- the offline API --------------------------------------------------------------------
@@ -397,7 +453,8 @@ def plot(results: dict, path: Path) -> None:
         )
     ax1.set_ylim(bottom=0)
     ax1.set_ylabel("output tokens/s")
-    ax1.set_title("Mixed workload over /v1/completions")
+    server = results["server"]
+    ax1.set_title(f"{results['workload']['name'].capitalize()} workload over {server['endpoint']}")
     ax1.legend()
     for key, style in (("ttft", "o-"), ("itl", "s-")):
         for q, alpha in (("p50", 1.0), ("p99", 0.5)):
@@ -424,6 +481,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     throughput.add_workload_args(ap)
     d = EngineConfig()
+    ap.add_argument(
+        "--workload",
+        choices=("mixed", "chat"),
+        default="mixed",
+        help="mixed: random token ids to /v1/completions (--prompt-mean, --output-mean, "
+        "--seed); chat: real chat prompts to /v1/chat/completions (benchmarks/workloads/)",
+    )
+    ap.add_argument("--chat-prompts", type=Path, default=None, help="the chat workload's JSON")
     ap.add_argument("--url", default=None, help="a running server; default: start one here")
     ap.add_argument("--model", default=None, help="the server's model (default: embedded)")
     ap.add_argument(
@@ -484,24 +549,48 @@ def main(argv: list[str] | None = None) -> int:
             server = start_server(args, Path(scratch) / "server.log")
         try:
             return _run(args, levels, ratio_level, server, load_at_start, say)
+        except ValueError as exc:  # a workload that cannot run with these settings
+            ap.error(str(exc))
         finally:
             if server is not None:
                 stop_server(server)
 
 
 def _run(args, levels, ratio_level, server, load_at_start, say) -> int:
-    vocab = model_vocab_size(args.model)
-    wl = throughput.workload_from_args(args, vocab)
+    directory = model_dir(args.model)
+    vocab = int(json.loads((directory / "config.json").read_text())["vocab_size"])
+    seeds = iter(range(args.seed + 1000, args.seed + 100000))
+    if args.workload == "chat":
+        wl, messages = chat_requests(directory, args)
+
+        def new_run() -> Run:
+            # Real prompts cannot be made afresh: a salt of its own keeps each run's
+            # prompts out of the other runs' prefix-cache entries.
+            return Run(wl, messages, cache_salt=f"serving-{next(seeds)}")
+
+    else:
+        wl = throughput.workload_from_args(args, vocab)
+
+        def new_run() -> Run:
+            return Run(fresh_tokens(wl, vocab, next(seeds)))
+
     warm = throughput.mixed_workload(
         4, vocab, args.seed + 1, args.prompt_mean, 8, args.max_model_len
     )
-    seeds = iter(range(args.seed + 1000, args.seed + 100000))
     llm = None
-    if not args.no_offline:
+    offline_seqs = min(args.max_num_seqs, ratio_level)
+
+    def new_llm():
         from pagedinfer.service import LLM
 
         say("building the offline engine ...")
-        llm = LLM(**offline_config(args, min(args.max_num_seqs, ratio_level)).__dict__)
+        engine = LLM(**offline_config(args, offline_seqs).__dict__)
+        # It first serves a few other requests, as the server has.
+        run_offline(engine, fresh_tokens(warm, vocab, next(seeds)))
+        return engine
+
+    if not args.no_offline:
+        llm = new_llm()
     url = args.url.rstrip("/") if args.url else server.url
     if server is not None:
         say("waiting for the server ...")
@@ -512,15 +601,12 @@ def _run(args, levels, ratio_level, server, load_at_start, say) -> int:
         say("waiting for the server's CPU executor ...")
         executor = wait_for_cpu_executor(server, url, model, args.executor_timeout)
     say(
-        f"{len(wl.prompts)} requests, {wl.prompt_tokens} prompt + {wl.output_tokens} output "
-        f"tokens; levels {levels}; model {model}"
+        f"{args.workload} workload: {len(wl.prompts)} requests, {wl.prompt_tokens} prompt + "
+        f"{wl.output_tokens} output tokens; levels {levels}; model {model}"
     )
-    # Both serve a few other requests first, as a running server would have.
-    warmup = run_http(url, model, fresh_tokens(warm, vocab, next(seeds)), len(warm.prompts))
+    warmup = run_http(url, model, Run(fresh_tokens(warm, vocab, next(seeds))), len(warm.prompts))
     if warmup["errors"]:
         raise RuntimeError(f"the warm-up requests failed: {warmup['first_error']}")
-    if llm is not None:
-        run_offline(llm, fresh_tokens(warm, vocab, next(seeds)))
 
     results: dict = {
         "machine": {
@@ -530,19 +616,27 @@ def _run(args, levels, ratio_level, server, load_at_start, say) -> int:
             "load_average_at_start": round(load_at_start, 2),
         },
         "workload": {
+            "name": args.workload,
             "requests": len(wl.prompts),
             "prompt_tokens": wl.prompt_tokens,
             "output_tokens": wl.output_tokens,
-            "prompt_mean": args.prompt_mean,
-            "output_mean": args.output_mean,
             "max_model_len": args.max_model_len,
-            "seed": args.seed,
+            **(
+                {
+                    "prompt_mean": args.prompt_mean,
+                    "output_mean": args.output_mean,
+                    "seed": args.seed,
+                }
+                if args.workload == "mixed"
+                else {}
+            ),
         },
         "server": {
             "started_here": server is not None,
             "cpu_executor": executor,
             "model": model,
-            "endpoint": "/v1/completions, stream=true",
+            "endpoint": "/v1/chat/completions" if args.workload == "chat" else "/v1/completions",
+            "stream": True,
         },
         "http": {},
     }
@@ -559,22 +653,22 @@ def _run(args, levels, ratio_level, server, load_at_start, say) -> int:
     offline_runs, ratio_runs = [], []
     for round_ in range(args.repeats):
         if llm is not None:
-            say(f"offline, at most {ratio_level} running (run {round_ + 1}) ...")
-            offline = run_offline(llm, fresh_tokens(wl, vocab, next(seeds)))
-            offline["max_num_seqs"] = min(args.max_num_seqs, ratio_level)
+            if round_ and args.workload == "chat":
+                llm = new_llm()  # its prefix cache holds the workload's prompts by now
+            say(f"offline, at most {offline_seqs} running (run {round_ + 1}) ...")
+            offline = run_offline(llm, new_run().wl)
+            offline["max_num_seqs"] = offline_seqs
             say(json.dumps(offline))
             offline_runs.append(offline)
         say(f"HTTP at {ratio_level} streams (run {round_ + 1}) ...")
-        ratio_runs.append(run_http(url, model, fresh_tokens(wl, vocab, next(seeds)), ratio_level))
+        ratio_runs.append(run_http(url, model, new_run(), ratio_level))
         say(json.dumps(ratio_runs[-1]))
     results["http"][str(ratio_level)] = max(ratio_runs, key=lambda r: r["output_tokens_per_s"])
     for level in levels:
         if level == ratio_level:
             continue
         say(f"HTTP at {level} streams ...")
-        results["http"][str(level)] = run_http(
-            url, model, fresh_tokens(wl, vocab, next(seeds)), level
-        )
+        results["http"][str(level)] = run_http(url, model, new_run(), level)
         say(json.dumps(results["http"][str(level)]))
     results["http"] = {str(c): results["http"][str(c)] for c in levels}
     results["http"][str(ratio_level)]["runs_output_tokens_per_s"] = [

@@ -20,22 +20,41 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "serving.py"
 REQUESTS = 3
+CHAT_PROMPTS = {
+    "prompts": [
+        {"output_tokens": 4, "messages": [{"role": "user", "content": "Why is the sky blue?"}]},
+        {
+            "output_tokens": 3,
+            "messages": [
+                {"role": "system", "content": "You answer in one word."},
+                {"role": "user", "content": "Name a prime number."},
+            ],
+        },
+    ]
+}
+
+
+def serving(directory: Path, *flags: str) -> tuple[dict, Path]:
+    """serving.py's JSON and plot for a toy-size run in `directory`."""
+    plot = directory / "serving.png"
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--json", "--max-model-len", "128", "--threads", "1",
+         "--ratio-concurrency", "2", "--kv-cache-memory", str(64 * 2**20),
+         "--plot", str(plot), *flags],
+        cwd=directory, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, f"serving.py failed:\n{result.stderr[-6000:]}"
+    return json.loads(result.stdout), plot
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, default_model_dir) -> tuple[dict, Path]:
-    out = tmp_path_factory.mktemp("serving-bench")
-    plot = out / "serving.png"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--json", "--num-requests", str(REQUESTS),
-         "--prompt-mean", "16", "--output-mean", "4", "--max-model-len", "128",
-         "--concurrency", "1,2", "--ratio-concurrency", "2", "--threads", "1",
-         "--kv-cache-memory", str(64 * 2**20), "--plot", str(plot)],
-        cwd=out, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, f"serving.py failed:\n{result.stderr[-6000:]}"
-    return json.loads(result.stdout), plot
+    return serving(
+        tmp_path_factory.mktemp("serving-bench"),
+        *("--num-requests", str(REQUESTS), "--prompt-mean", "16", "--output-mean", "4"),
+        *("--concurrency", "1,2"),
+    )
 
 
 def test_sweep_streams_every_token_at_each_level(run):
@@ -72,3 +91,24 @@ def test_machine_load_and_plot_are_recorded(run):
     assert summary["server"]["started_here"] is True
     assert summary["server"]["cpu_executor"] == "serving"  # measured on the compiled path
     assert plot.is_file() and plot.stat().st_size > 0
+
+
+def test_chat_workload_streams_chat_completions_with_the_templates_token_count(
+    tmp_path, default_model_dir
+):
+    """Messages go to /v1/chat/completions; every usage must count exactly the prompt's
+    tokens under the model's chat template (as the offline API gets them), so the two
+    sides do the same work."""
+    prompts = tmp_path / "chat.json"
+    prompts.write_text(json.dumps(CHAT_PROMPTS))
+    summary, _ = serving(
+        tmp_path, "--workload", "chat", "--chat-prompts", str(prompts), "--num-requests", "2",
+        "--concurrency", "2",
+    )  # fmt: skip
+    assert summary["server"]["endpoint"] == "/v1/chat/completions"
+    assert summary["workload"]["output_tokens"] == 7
+    (result,) = summary["http"].values()
+    assert result["errors"] == 0
+    assert result["output_tokens"] == 7
+    assert result["prompt_tokens"] == summary["workload"]["prompt_tokens"]
+    assert summary["offline"]["output_tokens"] == 7
