@@ -1,24 +1,23 @@
-"""Our Llama-family forward pass matches Hugging Face's on the same weights."""
+"""Our Llama-family forward pass matches Hugging Face's on the same weights, and the CPU
+executor (`pagedinfer.kernels.cpu`) computes what that forward computes."""
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from paged_cache import BLOCK_SIZE, PagedCache
 
-from pagedinfer.kernels import torch_ops
-from pagedinfer.service import loader
+from pagedinfer.kernels import AttentionMetadata, cpu, torch_ops
+from pagedinfer.kernels.cpu import gemms
+from pagedinfer.kernels.cpu.executor import CpuExecutor
 from pagedinfer.service.loader import LoadedModel, load_model
-from pagedinfer.service.models.llama import (
-    AttentionMetadata,
-    cpu_layer,
-    cpu_mkl_packing_available,
-    cpu_weight_packing_available,
-)
+from pagedinfer.service.models.llama import LlamaModel
 
 PROMPTS = [
     "The capital of France is",
@@ -39,11 +38,19 @@ def hf_logits(
         return [hf(torch.tensor([tokens])).logits[0].float() for tokens in token_lists]
 
 
-def our_logits(loaded: LoadedModel, token_lists: list[list[int]]) -> list[torch.Tensor]:
-    """All prompts packed into one flat batch, one prefill each."""
-    dtype = next(loaded.model.parameters()).dtype
-    cache = PagedCache(loaded.config, len(token_lists), max(map(len, token_lists)), dtype=dtype)
-    return cache.step(loaded.model, [(i, t, 0) for i, t in enumerate(token_lists)])
+def model_of(runner: LlamaModel | CpuExecutor) -> LlamaModel:
+    return runner if isinstance(runner, LlamaModel) else runner.model
+
+
+def our_logits(
+    runner: LlamaModel | CpuExecutor, token_lists: list[list[int]]
+) -> list[torch.Tensor]:
+    """All prompts packed into one flat batch, one prefill each, through the model's own
+    forward or a CPU executor."""
+    model = model_of(runner)
+    dtype = model.embed_tokens.weight.dtype
+    cache = PagedCache(model.config, len(token_lists), max(map(len, token_lists)), dtype=dtype)
+    return cache.step(runner, [(i, t, 0) for i, t in enumerate(token_lists)])
 
 
 def assert_close(ours: list[torch.Tensor], theirs: list[torch.Tensor], atol: float) -> None:
@@ -54,7 +61,8 @@ def assert_close(ours: list[torch.Tensor], theirs: list[torch.Tensor], atol: flo
 
 @pytest.fixture(params=["compiled", "torch"])
 def cpu_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both CPU paths: the compiled kernels (numba is a dependency) and torch ops alone."""
+    """Both CPU executor paths: the compiled kernels (numba is a dependency) and torch ops
+    alone between its GEMMs (PAGEDINFER_CPU_KERNELS=torch, the opt-out)."""
     monkeypatch.setenv("PAGEDINFER_CPU_KERNELS", request.param)
     return request.param
 
@@ -69,10 +77,36 @@ def default_tokens(default_model: LoadedModel) -> list[list[int]]:
     return [default_model.tokenizer.encode(p) for p in PROMPTS]
 
 
+@pytest.fixture(scope="module")
+def executors() -> dict[str, CpuExecutor]:
+    """The module's executors of the default model, by `cpu_kernels`."""
+    return {}
+
+
+@pytest.fixture
+def default_executor(
+    default_model: LoadedModel, executors: dict[str, CpuExecutor], cpu_kernels: str
+) -> CpuExecutor:
+    """The executor the model runner prepares for the default model (on a copy of it: the
+    executor releases the dense GEMM weights), with the compiled kernels or without."""
+    if cpu_kernels not in executors:
+        executor = cpu.prepare(copy.deepcopy(default_model.model), BLOCK_SIZE)
+        if executor is None:
+            pytest.skip("no CPU executor for fp32 on this machine (no MKL, no numba)")
+        executors[cpu_kernels] = executor
+    executor = executors[cpu_kernels]
+    assert executor.active
+    assert executor.compiled == (cpu_kernels == "compiled")
+    # SmolLM2 comes as a GGUF file: with the compiled kernels its weights serve from their
+    # quantisation grids; without them MKL's packed GEMMs serve.
+    assert executor.mode == ("grid" if executor.compiled else "mkl")
+    return executor
+
+
 def test_default_model_logits_match_transformers(
     default_model: LoadedModel, default_model_dir: Path, default_tokens: list[list[int]]
 ) -> None:
-    ours = our_logits(default_model, default_tokens)
+    ours = our_logits(default_model.model, default_tokens)
     theirs = hf_logits(default_model_dir, default_tokens)
     assert_close(ours, theirs, atol=1e-3)
     # Same greedy next token wherever the choice is not a near-tie.
@@ -82,14 +116,32 @@ def test_default_model_logits_match_transformers(
         assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
 
 
+def test_the_executor_gives_the_default_models_logits(
+    default_model: LoadedModel, default_tokens: list[list[int]], default_executor: CpuExecutor
+) -> None:
+    """Its GEMMs (the grids' or MKL's) sum in other orders than torch's matmul: within the
+    tolerance the torch forward keeps to Hugging Face's, with the same clear argmax."""
+    ours = our_logits(default_executor, default_tokens)
+    reference = our_logits(default_model.model, default_tokens)
+    assert_close(ours, reference, atol=1e-3)
+    for a, b in zip(ours, reference, strict=True):
+        top2 = b.topk(2, dim=-1).values
+        clear = top2[:, 0] - top2[:, 1] > 1e-2
+        assert torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
+
+
 def test_bfloat16_logits_match_transformers_bfloat16(
     default_model_dir: Path, default_tokens: list[list[int]]
 ) -> None:
-    """bf16 end to end (weights, KV cache, attention where the CPU has native bf16)."""
+    """bf16 end to end (weights, KV cache, attention) as it serves on a CPU with native
+    bf16: the CPU executor's oneDNN GEMMs."""
     if not torch_ops.native_bf16():
         pytest.skip("bf16 matmul is emulated on this CPU: too slow for a 135M model here")
     loaded = load_model(str(default_model_dir), torch.device("cpu"), torch.bfloat16)
-    ours = our_logits(loaded, default_tokens)
+    executor = cpu.prepare(loaded.model, BLOCK_SIZE)
+    if gemms.onednn_bf16_available(torch.bfloat16):
+        assert executor is not None and executor.mode == "onednn"
+    ours = our_logits(loaded.model if executor is None else executor, default_tokens)
     theirs = hf_logits(default_model_dir, default_tokens, torch.bfloat16)
     reference = hf_logits(default_model_dir, default_tokens)
     for a, b, exact in zip(ours, theirs, reference, strict=True):
@@ -103,24 +155,24 @@ def test_bfloat16_logits_match_transformers_bfloat16(
         assert torch.equal(a.argmax(-1)[clear], exact.argmax(-1)[clear])
 
 
-def test_packed_bfloat16_weights_compute_what_dense_ones_do(
-    default_model_dir: Path, default_tokens: list[list[int]], monkeypatch: pytest.MonkeyPatch
+def test_the_onednn_executor_computes_what_the_bfloat16_forward_does(
+    default_model: LoadedModel, default_model_dir: Path, default_tokens: list[list[int]]
 ) -> None:
-    cpu = torch.device("cpu")
-    if not cpu_weight_packing_available(cpu, torch.bfloat16):
-        pytest.skip("this CPU has no native bf16 matmul: weights stay dense")
-    packed = load_model(str(default_model_dir), cpu, torch.bfloat16)
-    qkv = packed.model.layers[0].self_attn.qkv_proj
-    assert qkv.packed is not None and qkv.weight.is_meta
-    assert packed.model.lm_head_packed is not None
-    monkeypatch.setattr(loader, "cpu_weight_packing_available", lambda *_: False)
-    dense = load_model(str(default_model_dir), cpu, torch.bfloat16)
-    assert dense.model.layers[0].self_attn.qkv_proj.packed is None
-    exact = load_model(str(default_model_dir), cpu, torch.float32)
+    """bf16 weights in oneDNN's packed layout, where the CPU has native bf16: the same bf16
+    products as the torch forward's, fp32 sums in another order."""
+    if not gemms.onednn_bf16_available(torch.bfloat16):
+        pytest.skip("this CPU has no native bf16 matmul: the torch forward serves bf16")
+    dense = load_model(str(default_model_dir), torch.device("cpu"), torch.bfloat16).model
+    executor = cpu.prepare(copy.deepcopy(dense), BLOCK_SIZE)
+    assert executor is not None and executor.active
+    assert executor.mode == "onednn" and not executor.compiled
+    assert isinstance(executor.layers[0].qkv, gemms.OneDnnGemm)
+    assert isinstance(executor.lm_head, gemms.OneDnnGemm)
+    assert executor.model.layers[0].self_attn.qkv_proj.weight.is_meta
     for a, b, e in zip(
-        our_logits(packed, default_tokens),
+        our_logits(executor, default_tokens),
         our_logits(dense, default_tokens),
-        our_logits(exact, default_tokens),
+        our_logits(default_model.model, default_tokens),
         strict=True,
     ):
         # Same bf16 products, fp32 sums in another order: after 30 layers the two differ
@@ -138,91 +190,130 @@ def test_packed_bfloat16_weights_compute_what_dense_ones_do(
     [{}, {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}],
     ids=["untied", "biases-tied"],
 )
-def test_mkl_packed_fp32_weights_compute_what_dense_ones_do(
-    make_tiny_model: Callable[..., Path], overrides: dict
+def test_the_fp32_executor_computes_what_the_torch_forward_does(
+    make_tiny_model: Callable[..., Path], overrides: dict, cpu_kernels: str
 ) -> None:
-    """One packed weight serves every batch size, in place of the dense one."""
-    cpu = torch.device("cpu")
-    if not cpu_mkl_packing_available(cpu, torch.float32):
-        pytest.skip("torch was built without MKL: fp32 weights stay dense")
-    path = str(make_tiny_model("llama", **overrides))
-    packed, dense = load_model(path, cpu), load_model(path, cpu, pack=False)
-    linears = [packed.model.layers[0].self_attn.qkv_proj, dense.model.layers[0].mlp.down_proj]
-    assert linears[0].mkl is not None and linears[0].weight.is_meta
-    assert linears[1].mkl is None and not linears[1].weight.is_meta
-    assert packed.model.lm_head_mkl is not None and dense.model.lm_head_mkl is None
+    """fp32 weights off any grid. With the compiled kernels and no biases: the grid GEMMs
+    from the weights in tile layout ("rebuilt") and the fused step; else MKL's packed
+    GEMMs, one packed weight serving every batch size, with the compiled ops between them
+    or torch's."""
+    if not gemms.mkl_fp32_available(torch.float32):
+        pytest.skip("torch was built without MKL: no packed fp32 GEMMs to compare")
+    model = load_model(str(make_tiny_model("llama", **overrides)), torch.device("cpu")).model
+    executor = cpu.prepare(copy.deepcopy(model), BLOCK_SIZE)
+    assert executor is not None and executor.active
+    assert executor.compiled == (cpu_kernels == "compiled")
+    assert executor.argmax is None  # the LM head is on no 8-bit grid
+    if executor.compiled and not overrides:
+        assert executor.mode == "rebuilt" and executor.fused is not None
+        kind = gemms.GridGemm
+    else:
+        assert executor.mode == "mkl" and executor.fused is None
+        kind = gemms.MklGemm
+    assert isinstance(executor.layers[0].qkv, kind)
+    assert isinstance(executor.lm_head, kind)
+    assert executor.model.layers[0].mlp.down_proj.weight.is_meta
+    assert not model.layers[0].mlp.down_proj.weight.is_meta
     gen = torch.Generator().manual_seed(3)
     # Batches of 1, 2, 5, 40 and 300 tokens: below, at and above the packing's batch size.
     for lengths in ([1], [2], [3, 2], [40], [150, 100, 50]):
         tokens = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in lengths]
-        for a, b in zip(our_logits(packed, tokens), our_logits(dense, tokens), strict=True):
+        for a, b in zip(our_logits(executor, tokens), our_logits(model, tokens), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_chunked_prefill_and_decode_equal_one_shot(
-    default_model: LoadedModel, default_tokens: list[list[int]], cpu_kernels: str
+def assert_chunked_equals_one_shot(
+    runner: LlamaModel | CpuExecutor, default_tokens: list[list[int]]
 ) -> None:
     tokens = default_tokens[2]
-    one_shot = our_logits(default_model, [tokens])[0]
-    cache = PagedCache(default_model.config, 2, len(tokens), seed=1)
+    one_shot = our_logits(runner, [tokens])[0]
+    cache = PagedCache(model_of(runner).config, 2, len(tokens), seed=1)
     split = 37  # not a block boundary
-    first = cache.step(default_model.model, [(0, tokens[:split], 0)])[0]
+    first = cache.step(runner, [(0, tokens[:split], 0)])[0]
     # The second chunk shares its batch with another sequence's prefill.
-    second, _ = cache.step(
-        default_model.model, [(0, tokens[split:-1], split), (1, default_tokens[0], 0)]
-    )
-    last = cache.step(default_model.model, [(0, tokens[-1:], len(tokens) - 1)])[0]
+    second, _ = cache.step(runner, [(0, tokens[split:-1], split), (1, default_tokens[0], 0)])
+    last = cache.step(runner, [(0, tokens[-1:], len(tokens) - 1)])[0]
     chunked = torch.cat([first, second, last])
     assert (chunked - one_shot).abs().max().item() < 1e-4
 
 
-def test_fp32_forward_runs_the_compiled_layer_ops_unless_opted_out(
+def test_chunked_prefill_and_decode_equal_one_shot(
+    default_model: LoadedModel, default_tokens: list[list[int]]
+) -> None:
+    assert_chunked_equals_one_shot(default_model.model, default_tokens)
+
+
+def test_chunked_prefill_and_decode_equal_one_shot_on_the_executor(
+    default_executor: CpuExecutor, default_tokens: list[list[int]]
+) -> None:
+    assert_chunked_equals_one_shot(default_executor, default_tokens)
+
+
+def test_fp32_steps_run_the_compiled_layer_ops_unless_opted_out(
     default_model: LoadedModel,
+    default_executor: CpuExecutor,
     default_tokens: list[list[int]],
     cpu_kernels: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """The executor runs the ops between its GEMMs in compiled kernels unless opted out;
+    the model's own forward never does."""
+    from pagedinfer.kernels.cpu import layer_ops
+
     # The step layer by layer: a step this small would otherwise run as one fused call
     # (tests/service/test_fused_step.py), which calls the kernels from compiled code.
-    monkeypatch.setattr(default_model.model, "fused", None)
+    monkeypatch.setattr(default_executor, "fused", None)
     calls: Counter[str] = Counter()
-    module = cpu_layer()
     for name in ("rms_norm", "silu_mul", "rope_write_kv"):
-        real = getattr(module, name)
+        real = getattr(layer_ops, name)
 
         def counted(*args: object, real: Callable = real, name: str = name) -> object:
             calls[name] += 1
             return real(*args)
 
-        monkeypatch.setattr(module, name, counted)
-    our_logits(default_model, default_tokens[:2])
+        monkeypatch.setattr(layer_ops, name, counted)
+    our_logits(default_model.model, default_tokens[:2])
+    assert dict(calls) == {}
+    our_logits(default_executor, default_tokens[:2])
     layers = default_model.config.num_layers
     # Two norms per layer and the final one.
     compiled = {"rms_norm": 2 * layers + 1, "silu_mul": layers, "rope_write_kv": layers}
     assert dict(calls) == (compiled if cpu_kernels == "compiled" else {})
 
 
-def test_logits_only_for_requested_rows(default_model: LoadedModel) -> None:
+def test_logits_only_for_requested_rows(
+    default_model: LoadedModel, default_executor: CpuExecutor
+) -> None:
     config = default_model.config
-    cache = PagedCache(config, 1, 8)
     tokens = torch.tensor([1, 2, 3, 4, 5])
-    attn = AttentionMetadata(
-        slot_mapping=(cache.block_tables[0, 0].long() * BLOCK_SIZE + torch.arange(5)),
-        block_tables=cache.block_tables[:1],
-        seq_lens=torch.tensor([5], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, 5], dtype=torch.int32),
-    )
-    logits, tokens = default_model.model(
-        tokens, torch.arange(5), cache.kv_caches, attn, torch.tensor([4])
-    )
-    assert tokens is None  # none asked for
+
+    def forward(runner: Any) -> Any:
+        cache = PagedCache(config, 1, 8)
+        attn = AttentionMetadata(
+            slot_mapping=(cache.block_tables[0, 0].long() * BLOCK_SIZE + torch.arange(5)),
+            block_tables=cache.block_tables[:1],
+            seq_lens=torch.tensor([5], dtype=torch.int32),
+            query_start_loc=torch.tensor([0, 5], dtype=torch.int32),
+        )
+        return runner.forward(tokens, torch.arange(5), cache.kv_caches, attn, torch.tensor([4]))
+
+    logits = forward(default_model.model)
     assert logits.shape == (1, config.vocab_size)
     assert logits.dtype == torch.float32
+    executor_logits, picked = forward(default_executor)
+    assert picked is None  # no greedy rows asked for
+    assert executor_logits.shape == (1, config.vocab_size)
+    assert executor_logits.dtype == torch.float32
+    torch.testing.assert_close(executor_logits, logits, rtol=1e-3, atol=1e-3)
 
 
-def test_batch_is_checked_once_by_the_first_layer(default_model: LoadedModel) -> None:
+@pytest.mark.parametrize("runner", ["model", "executor"])
+def test_batch_is_checked_once_by_the_first_layer(
+    default_model: LoadedModel, default_executor: CpuExecutor, runner: str
+) -> None:
     """The kernels check a forward's batch on the first layer only; bad metadata is still
     refused with the argument named, and a good batch leaves the metadata marked checked."""
+    forward = default_model.model if runner == "model" else default_executor.forward
     cache = PagedCache(default_model.config, 1, 8)
     tokens = torch.tensor([1, 2, 3])
 
@@ -236,10 +327,10 @@ def test_batch_is_checked_once_by_the_first_layer(default_model: LoadedModel) ->
 
     bad = metadata(torch.tensor([3, 3], dtype=torch.int32))  # two lengths for one sequence
     with pytest.raises(ValueError, match="block_tables"):
-        default_model.model(tokens, torch.arange(3), cache.kv_caches, bad, torch.tensor([2]))
+        forward(tokens, torch.arange(3), cache.kv_caches, bad, torch.tensor([2]))
     assert not bad.validated
     good = metadata(torch.tensor([3], dtype=torch.int32))
-    default_model.model(tokens, torch.arange(3), cache.kv_caches, good, torch.tensor([2]))
+    forward(tokens, torch.arange(3), cache.kv_caches, good, torch.tensor([2]))
     assert good.validated
 
 
@@ -280,12 +371,23 @@ def test_batch_is_checked_once_by_the_first_layer(default_model: LoadedModel) ->
 def test_tiny_models_match_transformers(
     make_tiny_model: Callable[..., Path], preset: str, overrides: dict, cpu_kernels: str
 ) -> None:
+    """The torch forward, and the executor the model runner would serve them with (random
+    weights lie on no grid), with the compiled kernels or without."""
     path = make_tiny_model(preset, **overrides)
-    loaded = load_model(str(path), torch.device("cpu"), torch.float32)
+    model = load_model(str(path), torch.device("cpu"), torch.float32).model
     gen = torch.Generator().manual_seed(1)
     # Long enough to pass the llama3 preset's original context (64) and the yarn one (128).
     token_lists = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (200, 7, 1)]
-    assert_close(our_logits(loaded, token_lists), hf_logits(path, token_lists), atol=1e-4)
+    theirs = hf_logits(path, token_lists)
+    assert_close(our_logits(model, token_lists), theirs, atol=1e-4)
+    executor = cpu.prepare(model, BLOCK_SIZE)
+    if gemms.mkl_fp32_available(torch.float32):
+        assert executor is not None
+    if executor is not None:
+        assert executor.compiled == (cpu_kernels == "compiled")
+        # The grid GEMMs from fp32 tiles with the compiled kernels, else MKL's.
+        assert executor.mode in (("rebuilt", "mkl") if executor.compiled else ("mkl",))
+        assert_close(our_logits(executor, token_lists), theirs, atol=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -301,17 +403,28 @@ def test_tiny_models_in_bfloat16(
     make_tiny_model: Callable[..., Path], preset: str, overrides: dict
 ) -> None:
     """bf16 with every weight layout: untied and tied LM heads, q/k/v, o_proj and MLP
-    biases (all packed for oneDNN where the CPU has native bf16)."""
+    biases, through the torch forward and, where the CPU has native bf16, the executor's
+    oneDNN-packed GEMMs."""
     path = make_tiny_model(preset, **overrides)
-    loaded = load_model(str(path), torch.device("cpu"), torch.bfloat16)
-    packed = cpu_weight_packing_available(torch.device("cpu"), torch.bfloat16)
-    assert (loaded.model.lm_head_packed is not None) == packed
+    model = load_model(str(path), torch.device("cpu"), torch.bfloat16).model
     gen = torch.Generator().manual_seed(2)
     token_lists = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (90, 7, 1)]
-    ours = our_logits(loaded, token_lists)
+    runs = [our_logits(model, token_lists)]
+    executor = cpu.prepare(model, BLOCK_SIZE)
+    assert (executor is not None) == gemms.onednn_bf16_available(torch.bfloat16)
+    if executor is not None:
+        assert executor.mode == "onednn"
+        runs.append(our_logits(executor, token_lists))
     theirs = hf_logits(path, token_lists, torch.bfloat16)
     exact = hf_logits(path, token_lists)
-    for a, b, e in zip(ours, theirs, exact, strict=True):
-        ours_err, theirs_err = (a - e).abs(), (b - e).abs()
-        assert ours_err.mean() < 2 * theirs_err.mean() + 0.02, (ours_err.mean(), theirs_err.mean())
-        assert ours_err.max() < 3 * theirs_err.max() + 0.05, (ours_err.max(), theirs_err.max())
+    for ours in runs:
+        for a, b, e in zip(ours, theirs, exact, strict=True):
+            ours_err, theirs_err = (a - e).abs(), (b - e).abs()
+            assert ours_err.mean() < 2 * theirs_err.mean() + 0.02, (
+                ours_err.mean(),
+                theirs_err.mean(),
+            )
+            assert ours_err.max() < 3 * theirs_err.max() + 0.05, (
+                ours_err.max(),
+                theirs_err.max(),
+            )
