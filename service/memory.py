@@ -46,9 +46,9 @@ SERVING_ALLOWANCE = 128 * MiB
 # dense weights: the grids, their stacked copy for the fused step, the LM head's 8-bit
 # approximations and loading the compiled kernels (the embedded model, warm kernel cache).
 GRID_BYTES_PER_WEIGHT = 3.0
-# Logits-sized tensors a sampling step holds at once: the logits, their penalised copy,
+# Logits-sized tensors sampling holds at once per row of a chunk: their penalised copy,
 # the scaled and masked rows, probabilities, and top-p's sort (values and int64 indices,
-# three logits' worth). A batch of rows sampled with penalties and top-p peaks at ten.
+# three logits' worth). Rows sampled with penalties and top-p peak at ten.
 LOGITS_COPIES = 10
 
 
@@ -93,7 +93,12 @@ def activation_bytes(model: ModelConfig, config: EngineConfig, itemsize: int) ->
     kv_size = model.num_kv_heads * model.head_dim
     per_token = 3 * model.hidden_size + 2 * q_size + 2 * kv_size + 3 * model.intermediate_size
     logit_rows = min(tokens, config.max_num_seqs * (1 + config.num_speculative_tokens))
-    return tokens * per_token * itemsize + logit_rows * model.vocab_size * 4 * LOGITS_COPIES
+    from pagedinfer.service.sampler import SAMPLE_CHUNK_ROWS
+
+    # The logits of every sampled row, and the sampler's copies of one chunk of them.
+    copied_rows = min(logit_rows, SAMPLE_CHUNK_ROWS)
+    vocab_row = model.vocab_size * 4
+    return tokens * per_token * itemsize + (logit_rows + copied_rows * LOGITS_COPIES) * vocab_row
 
 
 def gemm_weights(model: ModelConfig) -> int:

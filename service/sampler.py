@@ -97,6 +97,12 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+# Rows sampled at a time: the copies of the logits that penalties, top-k/top-p and
+# logprobs make (`memory.LOGITS_COPIES` of them) stay this many rows large, whatever the
+# batch.
+SAMPLE_CHUNK_ROWS = 32
+
+
 class Sampler:
     """Picks the next token of every row of a logits batch, each with its own parameters."""
 
@@ -115,6 +121,13 @@ class Sampler:
             )
         if tokens is not None and tokens.shape != (len(rows),):
             raise ValueError(f"tokens must be [{len(rows)}], got {tuple(tokens.shape)}")
+        if len(rows) > SAMPLE_CHUNK_ROWS:
+            results: list[SampleResult] = []
+            for start in range(0, len(rows), SAMPLE_CHUNK_ROWS):
+                end = start + SAMPLE_CHUNK_ROWS
+                chunk_tokens = None if tokens is None else tokens[start:end]
+                results.extend(self(logits[start:end], rows[start:end], chunk_tokens))
+            return results
         params = [row.params for row in rows]
         picked = None if tokens is None else tokens >= 0
         given = [] if picked is None else picked.tolist()

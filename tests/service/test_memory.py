@@ -128,15 +128,23 @@ def test_backend_pending_bytes_by_mode():
 
 
 def test_activations_grow_with_the_step_and_the_logit_rows():
+    """Every sampled row's logits, plus the sampler's copies of one chunk of rows."""
+    from pagedinfer.service.sampler import SAMPLE_CHUNK_ROWS
+
     model = smollm2()
     small = memory.activation_bytes(model, EngineConfig(max_num_batched_tokens=64), 4)
     default = memory.activation_bytes(model, EngineConfig(), 4)
     per_token = (3 * 576 + 2 * 576 + 2 * 192 + 3 * 1536) * 4
-    logits_row = 49152 * 4 * memory.LOGITS_COPIES
-    assert default == 512 * per_token + 256 * logits_row  # 256 sequences' rows
-    assert small == 64 * per_token + 64 * logits_row  # no more rows than tokens
+    row = 49152 * 4
+    chunk = SAMPLE_CHUNK_ROWS * memory.LOGITS_COPIES * row
+    assert default == 512 * per_token + 256 * row + chunk  # 256 sequences' rows
+    assert small == 64 * per_token + 64 * row + chunk  # no more rows than tokens
     drafts = EngineConfig(max_num_seqs=16, num_speculative_tokens=4)
-    assert memory.activation_bytes(model, drafts, 4) == 512 * per_token + 80 * logits_row
+    assert memory.activation_bytes(model, drafts, 4) == 512 * per_token + 80 * row + chunk
+    few = EngineConfig(max_num_seqs=4)
+    assert memory.activation_bytes(model, few, 4) == 512 * per_token + 4 * row * (
+        1 + memory.LOGITS_COPIES
+    )
 
 
 @pytest.mark.parametrize(

@@ -534,3 +534,24 @@ def test_a_token_for_a_row_that_needs_its_logits_is_refused(params) -> None:
 def test_tokens_of_the_wrong_shape_are_refused() -> None:
     with pytest.raises(ValueError, match=r"tokens must be \[2\], got \(3,\)"):
         Sampler()(torch.zeros(2, 10), [row(SamplingParams(temperature=0.0))] * 2, torch.ones(3))
+
+
+def test_a_batch_larger_than_a_chunk_samples_as_one_batch_would(monkeypatch):
+    """Rows are sampled a chunk at a time (so the logits' copies stay small); seeded,
+    penalised, greedy and logprob rows come out as with the whole batch in one chunk."""
+    kinds = [
+        SamplingParams(seed=3, temperature=0.9, top_p=0.8),
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(seed=5, temperature=1.2, top_k=5, repetition_penalty=1.3),
+        SamplingParams(seed=9, temperature=0.7, presence_penalty=0.5, logprobs=1),
+    ]
+    params = [kinds[i % 4] for i in range(11)]
+    logits = random_logits(11, seed=4)
+
+    def run() -> list[tuple]:
+        rows = [row(p, prompt=[1, 2], output=[3, i % 5], index=i) for i, p in enumerate(params)]
+        return [(r.token_id, r.logprob, r.top_logprobs) for r in Sampler()(logits, rows)]
+
+    whole = run()
+    monkeypatch.setattr(sampler_module, "SAMPLE_CHUNK_ROWS", 3)
+    assert run() == whole
