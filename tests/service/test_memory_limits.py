@@ -44,19 +44,7 @@ def example_services() -> list[tuple[str, dict[str, Any]]]:
     return found
 
 
-# Examples whose limit the server cannot hold yet, with why; strict, so the mark must go
-# once it does. The embedded model's 2Gi: the sizing rule asks for at least 2.22 GiB while
-# the CPU backend builds its grids beside the dense fp32 weights (issue 32's footprint).
-NOT_HELD_YET = {
-    "inferenceservice/smollm2": "the dense fp32 weights stay resident while the CPU backend "
-    "builds its grids, and 256 sampled rows' logits are reserved: 2.22 GiB needed",
-}
-EXAMPLES = [
-    pytest.param(name, body, id=name,
-                 marks=[pytest.mark.xfail(strict=True, reason=NOT_HELD_YET[name])]
-                 if name in NOT_HELD_YET else [])
-    for name, body in example_services()
-]  # fmt: skip
+EXAMPLES = [pytest.param(name, body, id=name) for name, body in example_services()]
 STARTUP_TIMEOUT_S = 600  # a first start converts the model and compiles the kernels
 NUM_STREAMS = 48
 MAX_TOKENS = 24
