@@ -133,12 +133,47 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 def _gguf_architecture(gguf_path: Path) -> str:
+    """The file's general.architecture, once checked that transformers' conversion of it
+    keeps everything our forward pass needs (`_gguf_losses`)."""
     from gguf import GGUFReader
 
-    field = GGUFReader(gguf_path).get_field("general.architecture")
+    reader = GGUFReader(gguf_path)
+    field = reader.get_field("general.architecture")
     if field is None:
         raise ValueError(f"{gguf_path} has no general.architecture field: not a model GGUF?")
-    return bytes(field.parts[field.data[0]]).decode()
+    arch = bytes(field.parts[field.data[0]]).decode()
+    if arch in SUPPORTED_GGUF_ARCHITECTURES and (losses := _gguf_losses(reader, arch)):
+        raise ValueError(
+            f"{gguf_path}: transformers' GGUF conversion of this {arch} model would drop "
+            f"{'; '.join(losses)}; serve the Hugging Face checkpoint instead"
+        )
+    return arch
+
+
+def _gguf_losses(reader: Any, arch: str) -> list[str]:
+    """What transformers' GGUF conversion of an `arch` file would not carry over: fields
+    it does not read that differ from the defaults it assumes."""
+
+    def number(key: str) -> float | None:
+        field = reader.get_field(f"{arch}.{key}")
+        return None if field is None else float(field.parts[field.data[0]][0])
+
+    losses = []
+    heads, hidden = number("attention.head_count"), number("embedding_length")
+    head_dim = number("attention.key_length") or (hidden / heads if hidden and heads else None)
+    if arch == "phi3":
+        rotary = number("rope.dimension_count")
+        if rotary is not None and head_dim is not None and rotary != head_dim:
+            losses.append(f"partial rotary embeddings (rope.dimension_count={rotary:g})")
+        if any(t.name.startswith("rope_factors_") for t in reader.tensors):
+            losses.append("LongRoPE's factors (rope_factors_* tensors)")
+        if number("attention.sliding_window"):
+            losses.append(f"the sliding window ({number('attention.sliding_window'):g})")
+    if arch == "qwen3" and head_dim is not None and head_dim != 128:
+        losses.append(f"head_dim={head_dim:g} (transformers assumes Qwen3's 128)")
+    if arch == "gemma3" and (number("rope.scaling.factor") or 1.0) != 1.0:
+        losses.append(f"rope scaling (rope.scaling.factor={number('rope.scaling.factor'):g})")
+    return losses
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
