@@ -1,13 +1,17 @@
 """Throughput side by side in one run: pagedinfer (paged, paged with n-gram speculative
-decoding, contiguous) against Hugging Face.
+decoding, contiguous) against its peers, vLLM's CPU build and llama.cpp's server (each
+in its own environment, `benchmarks/peers/`), and Hugging Face.
 
-Workload (DESIGN.md section 8): N requests with ShareGPT-like lognormal lengths scaled down
-for a CPU, fixed seed, fixed output lengths (EOS ignored) so every system does the same
-work. All requests arrive at once (offline batch). A second workload shares one long
-system prompt and compares prefix caching on and off.
+Workloads (DESIGN.md section 8), both with fixed output lengths (EOS ignored) so every
+system does the same work, all requests arriving at once (offline batch): `mixed`, N
+requests of random token ids with ShareGPT-like lognormal lengths scaled down for a CPU,
+fixed seed; `chat`, real chat prompts under the model's chat template
+(`benchmarks/workloads/`). A third workload shares one long system prompt and compares
+prefix caching on and off.
 
     python benchmarks/throughput.py --json            # the full comparison
     python benchmarks/throughput.py --systems paged --num-requests 8   # a quick look
+    python benchmarks/throughput.py --systems paged,vllm,llamacpp --workload chat
 
 Prints one JSON object keyed by system and saves a PNG plot.
 """
@@ -28,6 +32,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from peers.run_llamacpp import DEFAULT_DIR as DEFAULT_LLAMACPP_DIR
+from peers.run_vllm import DEFAULT_VENV as DEFAULT_VLLM_VENV
+from workloads.chat import CHAT_PROMPTS, chat_workload
 
 from pagedinfer.service.config import EngineConfig
 from pagedinfer.service.engine import LLMEngine
@@ -35,7 +42,10 @@ from pagedinfer.service.loader import load_model
 from pagedinfer.service.sampling_params import SamplingParams
 from pagedinfer.service.threads import openmp_spin
 
-SYSTEMS = ("paged", "paged_spec", "contiguous", "hf_static", "hf_continuous")
+SYSTEMS = ("paged", "paged_spec", "contiguous", "vllm", "llamacpp", "hf_static", "hf_continuous")
+# Systems set up outside the project's environment: skipped, with the reason, when absent.
+PEERS = ("vllm", "llamacpp")
+WORKLOADS = ("mixed", "chat")
 
 
 @dataclass
@@ -407,12 +417,109 @@ def gemm_limits(
     }
 
 
-def _load_hf(dtype: torch.dtype):
+def _load_hf(dtype: torch.dtype, model_dir: Path | None = None):
+    """Hugging Face's model of `model_dir` (the embedded model's directory when None)."""
     from transformers import AutoModelForCausalLM
 
     from pagedinfer.service.loader import ensure_default_model
 
-    return AutoModelForCausalLM.from_pretrained(ensure_default_model(), dtype=dtype).eval()
+    path = model_dir or ensure_default_model()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def resolve_model(model: str) -> tuple[str | None, Path, Path | None]:
+    """`--model` as (pagedinfer's EngineConfig.model, a Hugging Face directory, a GGUF file).
+
+    "embedded" is the default model (the GGUF file and its converted directory), "noisy"
+    its weights on no grid (`peers/noisy_checkpoint.py`), anything else a local Hugging
+    Face directory or .gguf file. The GGUF file is None where the model has none, and
+    llama.cpp is then skipped.
+    """
+    from pagedinfer.service.loader import (
+        default_gguf_path,
+        ensure_converted_gguf,
+        ensure_default_model,
+    )
+
+    if model == "embedded":
+        return None, ensure_default_model(), default_gguf_path()
+    if model == "noisy":
+        from peers.noisy_checkpoint import ensure_noisy_model
+
+        path = ensure_noisy_model()
+        return str(path), path, None
+    path = Path(model).resolve()
+    if path.is_file() and path.suffix == ".gguf":
+        return str(path), ensure_converted_gguf(path), path
+    if (path / "config.json").is_file():
+        return str(path), path, None
+    raise ValueError(
+        f"--model {model!r}: not 'embedded', 'noisy', a .gguf file or a directory with config.json"
+    )
+
+
+def run_peer(
+    name: str,
+    wl: Workload,
+    warm: Workload,
+    args: argparse.Namespace,
+    hf_dir: Path,
+    gguf: Path | None,
+    params: int,
+    gflops: float,
+) -> dict:
+    """Serve the workload with a peer (vLLM or llama.cpp) on the same token ids and threads.
+
+    Returns the summary, or {"system", "skipped": reason} when the peer is not set up here
+    or cannot serve this model.
+    """
+    from peers import run_llamacpp, run_vllm
+
+    work, warmup = (wl.prompts, wl.output_lens), (warm.prompts, warm.output_lens)
+    if name == "vllm":
+        if reason := run_vllm.unavailable(args.vllm_venv):
+            return {"system": name, "skipped": reason}
+        job = run_vllm.VllmJob(
+            model=hf_dir,
+            dtype=args.dtype,
+            threads=args.threads,
+            kv_cache_bytes=args.kv_cache_memory,
+            max_model_len=args.max_model_len,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=max(len(wl.prompts), 1),
+        )
+        out = run_vllm.run_vllm(job, work, warmup, args.vllm_venv)
+        extra = {
+            "dtype": args.dtype,
+            "vllm_version": out["vllm_version"],
+            "vllm_torch": out["torch_version"],
+            "startup_seconds": out["startup_seconds"],
+            "kv_cache_bytes": job.kv_cache_bytes,
+            "prefix_cache_hit_rate": round(out["prefix_cached_tokens"] / wl.prompt_tokens, 4),
+        }
+        return summarise(name, wl, out["seconds"], params, gflops, extra=extra)
+    if gguf is None:
+        return {
+            "system": name,
+            "skipped": f"llama.cpp serves GGUF files; --model {args.model} has none",
+        }
+    if reason := run_llamacpp.unavailable(args.llamacpp_dir):
+        return {"system": name, "skipped": reason}
+    job = run_llamacpp.LlamaCppJob(
+        gguf=gguf,
+        threads=args.threads,
+        max_model_len=args.max_model_len,
+        batch_tokens=args.max_num_batched_tokens,
+    )
+    out = run_llamacpp.run_llamacpp(job, work, warmup, args.llamacpp_dir)
+    extra = {
+        "weights": gguf.name,
+        "slots": out["slots"],
+        "llama_cpp_python_sdist": out["llama_cpp_python_sdist"],
+        "startup_seconds": out["startup_seconds"],
+        "prompt_tokens_evaluated": out["prompt_tokens_evaluated"],
+    }
+    return summarise(name, wl, out["seconds"], params, gflops, extra=extra)
 
 
 def run_hf_static(
@@ -506,17 +613,17 @@ def run_hf_continuous(
     return summarise("hf_continuous", wl, elapsed, params, gflops)
 
 
-def plot(results: dict, timelines: dict, path: Path) -> None:
+def plot(results: dict, timelines: dict, path: Path, workload: str = "mixed") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    names = [n for n in SYSTEMS if n in results]
+    names = [n for n in SYSTEMS if n in results and "skipped" not in results[n]]
     ax1.bar(names, [results[n]["output_tokens_per_s"] for n in names], color="tab:blue")
     ax1.set_ylabel("output tokens/s")
-    ax1.set_title("Mixed workload, same model, dtype and threads")
+    ax1.set_title(f"{workload.capitalize()} workload, same model, dtype and threads")
     for name, tl in timelines.items():
         if tl:
             ax2.plot([t for t, _, _ in tl], [r for _, r, _ in tl], label=f"{name}: running")
@@ -533,6 +640,29 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_workload_args(ap)
+    # The chat workload serves all its prompts unless told otherwise; mixed, 32 requests.
+    ap.set_defaults(num_requests=None)
+    ap.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="mixed",
+        help="mixed: random token ids, lognormal lengths; chat: real chat prompts",
+    )
+    ap.add_argument(
+        "--chat-prompts",
+        type=Path,
+        default=CHAT_PROMPTS,
+        help="the chat workload's prompts (JSON; see benchmarks/workloads/)",
+    )
+    ap.add_argument(
+        "--model",
+        default="embedded",
+        help="embedded (the default model, weights on its GGUF file's Q4_1 grid), noisy "
+        "(those weights times 1 + 1e-3 noise: an ordinary checkpoint on no grid), or a "
+        "local Hugging Face directory or .gguf file; every system serves it",
+    )
+    ap.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV)
+    ap.add_argument("--llamacpp-dir", type=Path, default=DEFAULT_LLAMACPP_DIR)
     # 256 MiB holds about 5,800 tokens of SmolLM2's KV: the whole default workload at
     # once with paging, about 10 sequences with contiguous max_model_len reservations.
     ap.add_argument("--kv-cache-memory", type=int, default=256 * 2**20, help="bytes, both policies")
@@ -595,7 +725,12 @@ def main(argv: list[str] | None = None) -> int:
     def say(msg: str) -> None:
         print(msg, file=sys.stderr if args.json else sys.stdout, flush=True)
 
+    try:
+        engine_model, hf_dir, gguf = resolve_model(args.model)
+    except ValueError as err:
+        ap.error(str(err))
     base = EngineConfig(
+        model=engine_model,
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -607,7 +742,18 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(base)
     vocab = engine.vocab_size
     params = sum(p.numel() for p in engine.runner.model.parameters())
-    wl = workload_from_args(args, vocab)
+    if args.workload == "chat":
+        try:
+            wl = Workload(
+                *chat_workload(
+                    engine.tokenizer, args.num_requests, args.max_model_len, args.chat_prompts
+                )
+            )
+        except ValueError as err:
+            ap.error(str(err))
+    else:
+        args.num_requests = args.num_requests or 32
+        wl = workload_from_args(args, vocab)
     dtype = getattr(torch, args.dtype)
     # Every system first serves a few other requests, as a running server would have:
     # the first calls of a process pay one-off costs (allocations, kernel selection).
@@ -615,7 +761,8 @@ def main(argv: list[str] | None = None) -> int:
     gflops = matmul_gflops(dtype)
     gflops_fp32 = gflops if dtype == torch.float32 else matmul_gflops(torch.float32)
     say(
-        f"{args.dtype} matmul: {gflops:.1f} GFLOP/s; {len(wl.prompts)} requests, "
+        f"{args.dtype} matmul: {gflops:.1f} GFLOP/s; {args.workload} workload, "
+        f"{len(wl.prompts)} requests, "
         f"{wl.prompt_tokens} prompt + {wl.output_tokens} output tokens"
     )
     results: dict[str, dict] = {
@@ -630,7 +777,14 @@ def main(argv: list[str] | None = None) -> int:
             # Other processes' load: these machines are shared, and ratios are fairer
             # than absolute figures when it is not zero.
             "load_average_at_start": round(os.getloadavg()[0], 2),
-        }
+        },
+        "workload": {
+            "name": args.workload,
+            "model": args.model,
+            "requests": len(wl.prompts),
+            "prompt_tokens": wl.prompt_tokens,
+            "output_tokens": wl.output_tokens,
+        },
     }
     timelines: dict[str, list] = {}
     # The matmul rate before each system: the machine's speed moves within minutes, and
@@ -675,9 +829,15 @@ def main(argv: list[str] | None = None) -> int:
             elif name == "contiguous":
                 cfg = EngineConfig(**{**base.__dict__, "allocation_policy": "contiguous"})
                 result, timeline = run_pagedinfer(name, wl, cfg, params, gflops, warmup=warm)
+            elif name in PEERS:
+                result = run_peer(name, wl, warm, args, hf_dir, gguf, params, gflops)
+                if "skipped" in result:
+                    say(f"skipping {name}: {result['skipped']}")
+                    results[name] = result
+                    continue
             else:
                 if name == "hf_static":
-                    hf_static_model = hf_static_model or _load_hf(dtype)
+                    hf_static_model = hf_static_model or _load_hf(dtype, hf_dir)
                     eos = engine.tokenizer.eos_token_id or 0
                     result = run_hf_static(
                         wl,
@@ -691,7 +851,9 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     # Continuous batching sets the model up for itself: a fresh copy each run.
                     kv_tokens = engine.num_blocks * base.block_size
-                    result = run_hf_continuous(wl, _load_hf(dtype), params, gflops, kv_tokens, warm)
+                    result = run_hf_continuous(
+                        wl, _load_hf(dtype, hf_dir), params, gflops, kv_tokens, warm
+                    )
             # The machine's speed just before: a system that ran while it was slow shows it.
             result["matmul_gflops_before"] = round(before, 1)
             say(json.dumps(result))
@@ -727,7 +889,8 @@ def main(argv: list[str] | None = None) -> int:
             say(json.dumps(results["step_profile"]))
     hf_static_model = None
     for name in systems:
-        results[name]["runs_seconds"] = runs[name]
+        if "skipped" not in results[name]:
+            results[name]["runs_seconds"] = runs[name]
     if "gemm_limits" in results:
         gl = results["gemm_limits"]  # the share of the fastest paged run
         gl["paged_gemm_share"] = round(gl["paged_gemm_seconds"] / results["paged"]["seconds"], 3)
@@ -783,16 +946,18 @@ def main(argv: list[str] | None = None) -> int:
                         seconds / gl["paged_spec_gemm_seconds"], 2
                     )
     ratios = {}
-    pairs = [(a, b) for a in ("paged", "paged_spec") for b in ("hf_static", "hf_continuous")]
+    baselines = ("vllm", "llamacpp", "hf_static", "hf_continuous")
+    pairs = [(a, b) for a in ("paged", "paged_spec") for b in baselines]
     pairs += [("paged", "contiguous"), ("paged_spec", "paged")]
+    served = {n for n, r in results.items() if isinstance(r, dict) and "output_tokens_per_s" in r}
     for a, b in pairs:
-        if a in results and b in results:
+        if a in served and b in served:
             ratios[f"{a}_vs_{b}"] = round(
                 results[a]["output_tokens_per_s"] / results[b]["output_tokens_per_s"], 2
             )
     results["ratios"] = ratios
     results["machine"]["load_average_at_end"] = round(os.getloadavg()[0], 2)
-    plot(results, timelines, args.plot)
+    plot(results, timelines, args.plot, args.workload)
     # Relative to the working directory when possible: no machine paths in saved results.
     plot_path = args.plot.resolve()
     results["plot"] = str(

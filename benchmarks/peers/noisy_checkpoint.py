@@ -1,0 +1,82 @@
+"""An ordinary checkpoint of the embedded model: its weights on no quantisation grid.
+
+The embedded model's fp32 weights come from a Q4_1 GGUF file, so every block of 32
+takes one of 16 evenly spaced values, which the CPU backend exploits. A checkpoint a
+user brings has no such structure. Multiplying every weight by (1 + 1e-3 noise) keeps
+the model's behaviour (the same tokens almost always) and puts the weights on no grid,
+so that the benchmark measures what any Hugging Face checkpoint of this size gets.
+
+    python benchmarks/peers/noisy_checkpoint.py     # prints the directory, building it once
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from pagedinfer.service.loader import cache_dir, ensure_default_model
+
+NOISE_SCALE = 1e-3
+# The weight files; every other file of the directory is copied as it is.
+_WEIGHT_SUFFIX = ".safetensors"
+
+
+def noisy_weights(weights: dict[str, torch.Tensor], scale: float, seed: int) -> dict:
+    """Each floating-point tensor times (1 + scale * standard normal noise), fixed seed."""
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for name in sorted(weights):  # sorted: the same noise whatever the file's order
+        tensor = weights[name]
+        if tensor.is_floating_point():
+            noise = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
+            tensor = (tensor.float() * (1.0 + scale * noise)).to(tensor.dtype)
+        out[name] = tensor.contiguous()
+    return out
+
+
+def make_noisy_checkpoint(
+    source: Path, target: Path, scale: float = NOISE_SCALE, seed: int = 0
+) -> Path:
+    """Write `source`'s Hugging Face directory with noisy weights to `target` (safetensors)."""
+    if scale <= 0:
+        raise ValueError(f"noise scale must be positive, got {scale}")
+    files = sorted(source.glob(f"*{_WEIGHT_SUFFIX}"))
+    if not files:
+        raise ValueError(f"{source} has no {_WEIGHT_SUFFIX} weight files")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        for path in source.iterdir():
+            if path.is_file() and path.suffix != _WEIGHT_SUFFIX:
+                shutil.copy2(path, staging / path.name)
+        for index, path in enumerate(files):
+            weights = noisy_weights(load_file(path), scale, seed + index)
+            save_file(weights, staging / path.name, metadata={"format": "pt"})
+        staging.chmod(0o755)
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def ensure_noisy_model(scale: float = NOISE_SCALE, seed: int = 0) -> Path:
+    """The embedded model's noisy checkpoint, built once into pagedinfer's cache."""
+    source = ensure_default_model()
+    key = hashlib.sha256(f"{source.name}|{scale}|{seed}".encode()).hexdigest()[:12]
+    target = cache_dir() / "models" / f"{source.name}-noisy-{key}"
+    if (target / "config.json").is_file():
+        return target
+    return make_noisy_checkpoint(source, target, scale, seed)
+
+
+if __name__ == "__main__":
+    print(ensure_noisy_model())
+    sys.exit(0)
