@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     grid = {*range(1, 33), 40, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 2048}
     say("timing the GEMMs in their fastest forms ...")
     rate_before = matmul_gflops(torch.float32)
-    dense = load_model(None, "cpu", torch.float32, args.max_model_len, pack=False).model
+    dense = load_model(None, "cpu", torch.float32, args.max_model_len).model
     best, best_lm = limits.best_gemm_curves(
         dense, {m for m in grid if m <= max(tokens)}, {m for m in grid if m <= max(tokens)}
     )

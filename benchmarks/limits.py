@@ -6,9 +6,10 @@ this machine's libraries (MKL and oneDNN, through torch), with nothing else in t
 way: no norms, sampling, scheduling or engine Python around them.
 
 - `gemm_curve` and `lm_head_seconds`: the layer GEMMs of one forward pass at a token
-  count, and the LM head at a row count, through the engine's own code (`Linear`
-  modules, packed or not as the engine runs them). Replayed at a run's own passes, they
-  give the part of that run that was GEMMs; the rest is everything else the engine does.
+  count, and the LM head at a row count, through the engine's own code (the CPU
+  executor's GEMMs where it serves, `kernels.cpu.gemms`, else the model's `Linear`
+  modules). Replayed at a run's own passes, they give the part of that run that was
+  GEMMs; the rest is everything else the engine does.
 - `best_gemm_curves`: the same GEMMs in the fastest form the library offers at each
   size, whichever an engine could choose (either weight layout, either operand order,
   MKL- or oneDNN-packed weights for that batch size or for the engine's), timed from a
@@ -67,14 +68,12 @@ import torch.nn.functional as F
 from scipy.optimize import linprog
 from scipy.sparse import diags
 
-from pagedinfer.service.models.llama import (
-    MKL_PACK_BATCH_HINT,
-    PACK_BATCH_HINT,
-    MKLPacked,
-    cpu_mkl_packing_available,
-    mkl_linear,
-    pack_weight,
-    packed_linear,
+from pagedinfer.kernels.cpu.gemms import (
+    MKL_BATCH_HINT,
+    ONEDNN_BATCH_HINT,
+    MklGemm,
+    OneDnnGemm,
+    mkl_fp32_available,
 )
 
 
@@ -88,9 +87,19 @@ def _best_time(fn, repeats: int) -> float:
     return best
 
 
+def serving_gemms(model, executor=None) -> list[tuple]:
+    """Each layer's (q/k/v, o, gate/up, down) GEMMs as the engine runs them: the CPU
+    executor's where it serves (`executor.active`), else the model's `Linear` modules.
+    Each is callable on x and has `add_into(out, x)`."""
+    if executor is not None and executor.active:
+        return [(lay.qkv, lay.o, lay.gate_up, lay.down) for lay in executor.layers]
+    return [layer.linears() for layer in model.layers]
+
+
 @torch.inference_mode()
-def layer_gemm_seconds(model, tokens: int, repeats: int = 3) -> float:
-    """One forward pass's layer GEMMs (q/k/v, o, gate/up, down of every layer) at `tokens` rows."""
+def layer_gemm_seconds(model, tokens: int, repeats: int = 3, executor=None) -> float:
+    """One forward pass's layer GEMMs (q/k/v, o, gate/up, down of every layer) at `tokens`
+    rows, as the engine runs them (`serving_gemms`)."""
     config = model.config
     dtype = model.embed_tokens.weight.dtype
     x = torch.randn(tokens, config.hidden_size, dtype=dtype)
@@ -98,9 +107,10 @@ def layer_gemm_seconds(model, tokens: int, repeats: int = 3) -> float:
     attn_out = torch.randn(tokens, config.num_heads * config.head_dim, dtype=dtype)
     act = torch.randn(tokens, config.intermediate_size, dtype=dtype)
 
+    layers = serving_gemms(model, executor)
+
     def run() -> None:
-        for layer in model.layers:
-            qkv, o, gate_up, down = layer.linears()
+        for qkv, o, gate_up, down in layers:
             qkv(x)
             o.add_into(residual, attn_out)
             gate_up(x)
@@ -111,27 +121,37 @@ def layer_gemm_seconds(model, tokens: int, repeats: int = 3) -> float:
 
 def layer_flops_per_token(model) -> int:
     """2 x the weights of the layer GEMMs: their FLOPs for one token."""
-    # A packed weight's dense copy is on the meta device: its shape is still there.
+    # A weight the CPU executor holds has its dense copy on the meta device: its shape
+    # is still there.
     return 2 * sum(linear.weight.numel() for layer in model.layers for linear in layer.linears())
 
 
 @torch.inference_mode()
-def lm_head_seconds(model, rows: int, repeats: int = 3, greedy: bool = False) -> float:
-    """The vocabulary projection of `rows` hidden states, as the model computes it: their
-    logits, or for greedy rows (greedy) their argmax, which the model may pick without
-    the logits (`kernels.cpu_argmax`: its time on random rows is that on the model's own
+def lm_head_seconds(
+    model, rows: int, repeats: int = 3, greedy: bool = False, executor=None
+) -> float:
+    """The vocabulary projection of `rows` hidden states, as the engine computes it (the
+    CPU executor's LM head where it serves, else the model's): their logits, or for
+    greedy rows (greedy) their argmax, which the executor may pick without the logits
+    (`kernels.cpu.greedy_argmax`: its time on random rows is that on the model's own
     within a few percent)."""
     hidden = torch.randn(rows, model.config.hidden_size, dtype=model.embed_tokens.weight.dtype)
-    if greedy and model.lm_head_argmax is not None:
-        from pagedinfer.kernels import cpu_argmax
+    if executor is None or not executor.active:
+        return _best_time(lambda: model.compute_logits(hidden), repeats)
+    if greedy and executor.argmax is not None:
+        from pagedinfer.kernels.cpu import greedy_argmax
 
-        return _best_time(lambda: cpu_argmax.lm_head_argmax(hidden, model.lm_head_argmax), repeats)
-    return _best_time(lambda: model.compute_logits(hidden), repeats)
+        weights = executor.argmax
+        return _best_time(lambda: greedy_argmax.lm_head_argmax(hidden, weights), repeats)
+    return _best_time(lambda: executor.lm_head(hidden).float(), repeats)
 
 
-def gemm_curve(model, token_counts: Iterable[int], repeats: int = 3) -> dict[int, float]:
-    """Layer GEMM seconds at each token count (measured once per distinct count)."""
-    return {m: layer_gemm_seconds(model, m, repeats) for m in sorted(set(token_counts))}
+def gemm_curve(
+    model, token_counts: Iterable[int], repeats: int = 3, executor=None
+) -> dict[int, float]:
+    """Layer GEMM seconds at each token count (measured once per distinct count), as the
+    engine runs them (`serving_gemms`)."""
+    return {m: layer_gemm_seconds(model, m, repeats, executor) for m in sorted(set(token_counts))}
 
 
 def gemm_forms(
@@ -152,23 +172,21 @@ def gemm_forms(
         "(W_io^T @ x^T)^T": lambda x: torch.mm(weight_io.t(), x.t()).t(),
     }
     # Packed for this row count, and for the engine's batch size: any batch runs on either.
-    if cpu_mkl_packing_available(weight.device, weight.dtype):
-        for hint in sorted({rows, MKL_PACK_BATCH_HINT}):
-            mkl = MKLPacked.of(weight, hint)
-            forms[f"MKL packed for {hint}"] = lambda x, mkl=mkl: mkl_linear(x, mkl, None)
+    if weight.device.type == "cpu" and mkl_fp32_available(weight.dtype):
+        for hint in sorted({rows, MKL_BATCH_HINT}):
+            forms[f"MKL packed for {hint}"] = MklGemm.of(weight, None, hint)
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
-        for hint in sorted({rows, PACK_BATCH_HINT}):
-            onednn = pack_weight(weight, hint)
-            forms[f"oneDNN packed for {hint}"] = lambda x, p=onednn: packed_linear(x, p, None)
+        for hint in sorted({rows, ONEDNN_BATCH_HINT}):
+            forms[f"oneDNN packed for {hint}"] = OneDnnGemm.of(weight, None, hint)
     return forms
 
 
 def _require_dense(model) -> None:
-    linears = [linear for layer in model.layers for linear in layer.linears()]
-    packed = (*(linear.packed for linear in linears), *(linear.mkl for linear in linears))
-    if any(p is not None for p in (*packed, model.lm_head_packed, model.lm_head_mkl)):
+    weights = [linear.weight for layer in model.layers for linear in layer.linears()]
+    if any(w.is_meta for w in (*weights, model.lm_head_weight())):
         raise ValueError(
-            "the fastest forms are timed from dense weights: load the model with pack=False"
+            "the fastest forms are timed from dense weights, and this model's went to a CPU "
+            "executor: time a model of its own (load_model, no executor prepared on it)"
         )
 
 
@@ -177,7 +195,8 @@ def best_gemm_curves(
     model, token_counts: Iterable[int], row_counts: Iterable[int], repeats: int = 3
 ) -> tuple[dict[int, float], dict[int, float]]:
     """The layer GEMMs of one pass at each token count, and the LM head at each row
-    count, each GEMM kind in its fastest form. `model`: loaded with pack=False.
+    count, each GEMM kind in its fastest form. `model`: with its dense weights (as
+    `load_model` gives it, no CPU executor activated on it).
 
     Timed inside whole passes, as a forward pass runs them: q/k/v, o, gate/up and down
     of the first layer, then of the next, and so on, then the LM head, every GEMM in
@@ -188,7 +207,7 @@ def best_gemm_curves(
     """
     _require_dense(model)
     kinds = [
-        [linear.weight.t() for linear in kind]
+        [linear.weight for linear in kind]
         for kind in zip(*(layer.linears() for layer in model.layers), strict=True)
     ]
     token_counts, row_counts = set(token_counts), set(row_counts)

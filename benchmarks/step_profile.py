@@ -1,7 +1,7 @@
 """Where a pagedinfer run's time goes, phase by phase of its compiled steps.
 
 Serves a workload in one engine twice: a first turn as a warm-up, then a turn with the
-fused step compiled with cycle counters (`kernels.cpu_step.PHASES`; the counters read
+fused step compiled with cycle counters (`kernels.cpu.fused_step.PHASES`; the counters read
 the CPU's time-stamp counter at each barrier, about 30 reads a layer, and change no
 result). Steps that carry any prompt token and decode steps are reported apart, each
 with:
@@ -35,8 +35,8 @@ import limits
 import numpy as np
 import torch
 
-from pagedinfer.kernels import cpu_step
-from pagedinfer.kernels.cpu_numba import cycles
+from pagedinfer.kernels.cpu import fused_step
+from pagedinfer.kernels.cpu.numba_support import cycles
 from pagedinfer.service.config import EngineConfig
 from pagedinfer.service.engine import LLMEngine
 from pagedinfer.service.sampling_params import SamplingParams
@@ -70,17 +70,18 @@ def profile_run(
     steps (module doc)."""
     if engine.config.enable_prefix_caching:
         raise ValueError("step profile: the engine caches prefixes (use profiling_engine)")
-    model = engine.runner.model
-    if getattr(model, "fused", None) is None:
+    executor = engine.runner.executor
+    # Ready: active, or activated by the engine's next step.
+    if executor is None or executor.fused is None or not executor.ready:
         raise RuntimeError("step profile: this model gets no fused step on this machine")
     workers = torch.get_num_threads()
-    profile = np.zeros((workers, len(cpu_step.PHASES), 2), dtype=np.int64)
-    model.step_profile = profile
+    profile = np.zeros((workers, len(fused_step.PHASES), 2), dtype=np.int64)
+    executor.step_profile = profile
     try:  # compiles the kernel with the counters; the second turn fills the caches
         for p, o in ((warm_prompts, warm_output_lens), (prompts, output_lens)):
             _serve(engine, p, o)
     finally:
-        model.step_profile = None
+        executor.step_profile = None
     profile[:] = 0
     kinds: dict[str, dict[str, Any]] = {
         kind: {"steps": 0, "tokens": 0, "seconds": 0.0, "cycles": np.zeros_like(profile)}
@@ -105,7 +106,7 @@ def profile_run(
         kind["cycles"] += profile - before
         return result
 
-    model.step_profile = profile
+    executor.step_profile = profile
     engine.runner.execute = profiled
     try:
         start = time.perf_counter()
@@ -113,9 +114,9 @@ def profile_run(
         seconds = time.perf_counter() - start
     finally:
         del engine.runner.execute  # back to the class's method
-        model.step_profile = None
+        executor.step_profile = None
     rate = cycles_per_second()
-    flops_per_token = limits.layer_flops_per_token(model)
+    flops_per_token = limits.layer_flops_per_token(engine.runner.model)
     result: dict[str, Any] = {
         "workers": workers,
         "seconds": round(seconds, 3),
@@ -141,7 +142,7 @@ def _summary(
     kernel = float(per_worker.sum(axis=(1, 2)).max())
     phases = {
         name: {"work_s": round(float(work), 4), "wait_s": round(float(wait), 4)}
-        for name, (work, wait) in zip(cpu_step.PHASES, mean, strict=True)
+        for name, (work, wait) in zip(fused_step.PHASES, mean, strict=True)
     }
     gemm = sum(phases[name]["work_s"] for name in GEMM_PHASES)
     summary: dict[str, Any] = {

@@ -266,10 +266,11 @@ def critical_path(
     total = wl.prompt_tokens + wl.output_tokens
     # Below any engine: every decode step reads every weight once (the tied LM head
     # counted once), at the machine's read bandwidth, and nothing else. The weights in
-    # the least bytes that hold them exactly: their quantisation grid where the model
-    # keeps one (`kernels.cpu_step`), else as stored.
+    # the least bytes that hold them exactly: their quantisation grid where the CPU
+    # executor keeps one (`kernels.cpu.fused_step`), else as stored.
     model = engine.runner.model
-    fused = getattr(model, "fused", None)
+    executor = engine.runner.executor
+    fused = executor.fused if executor is not None and executor.active else None
     weight_bytes = (
         fused.nbytes
         if fused is not None
@@ -298,14 +299,14 @@ def gemm_limits(
     speculative run's, when given: each (tokens, logits rows)); and the floors for any
     engine on this machine's libraries that computes the logits of each output token:
     the GEMMs of any schedule of the workload, plus its decode attention. (This engine
-    picks a greedy row's token without most of its logits, `kernels.cpu_argmax`, so its
+    picks a greedy row's token without most of its logits, `kernels.cpu.greedy_argmax`, so its
     LM head can go below the floor's.)
 
     Ceilings are against the best matmul rate seen around and in the GEMM timings.
     """
     import limits  # scipy's linear programs: imported only for this analysis
 
-    model = engine.runner.model
+    model, executor = engine.runner.model, engine.runner.executor
     every_pass = passes + (spec_passes or [])
     tokens = [m for m, _ in every_pass]
     rows = [r for _, r in every_pass if r]
@@ -315,10 +316,13 @@ def gemm_limits(
 
     dtype = model.embed_tokens.weight.dtype
     rate_before = matmul_gflops(dtype)
-    curve = limits.gemm_curve(model, grid(tokens))
-    lm_curve = {r: limits.lm_head_seconds(model, r) for r in sorted(grid(rows))}
-    # The runs' rows are greedy: the model picks their tokens, maybe without the logits.
-    pick_curve = {r: limits.lm_head_seconds(model, r, greedy=True) for r in sorted(set(rows))}
+    curve = limits.gemm_curve(model, grid(tokens), executor=executor)
+    lm_curve = {r: limits.lm_head_seconds(model, r, executor=executor) for r in sorted(grid(rows))}
+    # The runs' rows are greedy: the engine picks their tokens, maybe without the logits.
+    pick_curve = {
+        r: limits.lm_head_seconds(model, r, greedy=True, executor=executor)
+        for r in sorted(set(rows))
+    }
 
     def in_passes(run: list[tuple[int, int]]) -> float:
         return sum(curve[m] for m, _ in run) + sum(pick_curve[r] for _, r in run if r)
@@ -332,7 +336,7 @@ def gemm_limits(
     def floor_grid(largest: int) -> list[int]:
         return [m for m in (*range(1, 33), *sparse) if m <= largest]
 
-    dense = load_model(engine.config.model, "cpu", dtype, engine.config.max_model_len, pack=False)
+    dense = load_model(engine.config.model, "cpu", dtype, engine.config.max_model_len)
     best, best_lm = limits.best_gemm_curves(
         dense.model, floor_grid(max(token_profile)), floor_grid(max(row_profile))
     )

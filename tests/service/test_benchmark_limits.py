@@ -279,17 +279,66 @@ def test_measures_the_models_own_gemms(
         assert sorted(calls) == sorted(2 * list(linears))
 
 
+def test_measures_the_executors_gemms_where_it_serves(
+    make_tiny_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a CPU executor serving, the GEMMs timed are its own (the model's dense ones
+    are released), each at the token count asked, and the LM head is its LM head."""
+    from pagedinfer.kernels import cpu
+
+    model = load_model(str(make_tiny_model("llama")), torch.device("cpu"), torch.float32).model
+    executor = cpu.prepare(model, block_size=16)
+    if executor is None:
+        pytest.skip("no CPU executor on this machine (no MKL for fp32)")
+    assert executor.active
+    seen: list[tuple[int, int]] = []
+
+    class Recording:
+        def __init__(self, gemm) -> None:
+            self.gemm = gemm
+
+        def __call__(self, x):
+            seen.append((id(self), x.shape[0]))
+            return self.gemm(x)
+
+        def add_into(self, out, x) -> None:
+            seen.append((id(self), x.shape[0]))
+            self.gemm.add_into(out, x)
+
+    recorders = []
+    for layer in executor.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            recorder = Recording(getattr(layer, name))
+            monkeypatch.setattr(layer, name, recorder)
+            recorders.append(id(recorder))
+    lm_head = Recording(executor.lm_head)
+    monkeypatch.setattr(executor, "lm_head", lm_head)
+    curve = limits.gemm_curve(model, [4, 1, 4], repeats=1, executor=executor)
+    assert sorted(curve) == [1, 4]
+    for tokens in (1, 4):
+        calls = [gemm for gemm, rows in seen if rows == tokens]
+        assert sorted(calls) == sorted(2 * recorders)  # warm-up and timed
+    seen.clear()
+    assert limits.lm_head_seconds(model, 3, repeats=1, executor=executor) > 0
+    assert seen == [(id(lm_head), 3)] * 2
+    if executor.argmax is None:  # greedy rows then take the logits too
+        seen.clear()
+        limits.lm_head_seconds(model, 3, repeats=1, greedy=True, executor=executor)
+        assert seen == [(id(lm_head), 3)] * 2
+
+
 def test_fastest_forms_are_timed_from_dense_weights(make_tiny_model: Callable[..., Path]) -> None:
+    from pagedinfer.kernels import cpu
+
     path = str(make_tiny_model("llama"))
-    dense = load_model(path, torch.device("cpu"), torch.float32, pack=False).model
+    dense = load_model(path, torch.device("cpu"), torch.float32).model
     curve, lm_head = limits.best_gemm_curves(dense, [3, 1], [2, 1], repeats=1)
     assert sorted(curve) == [1, 3] and all(t > 0 for t in curve.values())
     assert sorted(lm_head) == [1, 2] and all(t > 0 for t in lm_head.values())
-    packed = load_model(path, torch.device("cpu"), torch.float32).model
-    if packed.lm_head_mkl is None:
-        pytest.skip("torch was built without MKL: the loader packed nothing")
-    with pytest.raises(ValueError, match="pack=False"):
-        limits.best_gemm_curves(packed, [1], [1])
+    if cpu.prepare(dense, block_size=16) is None:
+        pytest.skip("no CPU executor on this machine (no MKL for fp32): the weights stay")
+    with pytest.raises(ValueError, match="went to a CPU executor"):
+        limits.best_gemm_curves(dense, [1], [1])
 
 
 def test_decode_context_slots_count_each_decode_tokens_context() -> None:
@@ -373,7 +422,7 @@ def test_fastest_forms_are_timed_inside_whole_passes(
     """Each form runs every layer's GEMMs in forward order, then the LM head: the order
     a pass reads the weights in, so each comes from where the rest of the pass left
     the caches."""
-    dense = load_model(str(make_tiny_model("llama")), torch.device("cpu"), pack=False).model
+    dense = load_model(str(make_tiny_model("llama")), torch.device("cpu")).model
     names = {id(dense.lm_head_weight()): "lm"}
     for i, layer in enumerate(dense.layers):
         for kind, linear in zip(("qkv", "o", "gate_up", "down"), layer.linears(), strict=True):
@@ -381,8 +430,7 @@ def test_fastest_forms_are_timed_inside_whole_passes(
     calls: list[tuple[str, str]] = []
 
     def recording_forms(weight, rows):
-        # The weights come transposed (nn.Linear's layout): ._base is the parameter.
-        name = names[id(weight._base if weight._base is not None else weight)]
+        name = names[id(weight)]  # the parameter itself, [out, in]
 
         def form(label):
             return lambda x: calls.append((label, name)) or x @ weight.t()
@@ -439,7 +487,7 @@ def test_a_step_profile_sums_each_phase_over_the_workers() -> None:
     import numpy as np
 
     step_profile = _load_benchmark("step_profile")
-    phases = step_profile.cpu_step.PHASES
+    phases = step_profile.fused_step.PHASES
     cycles = np.zeros((2, len(phases), 2), dtype=np.int64)
     qkv, gate_up, attention = (phases.index(p) for p in ("qkv", "gate_up", "attention"))
     cycles[0, qkv] = (2e9, 0)
@@ -458,11 +506,50 @@ def test_a_step_profile_sums_each_phase_over_the_workers() -> None:
 
 
 def test_a_step_profile_needs_the_fused_step(make_tiny_model: Callable[..., Path]) -> None:
+    """With q/k/v biases the CPU executor runs no fused step: nothing to profile."""
     from pagedinfer.service.config import EngineConfig
 
     step_profile = _load_benchmark("step_profile")
-    config = EngineConfig(model=str(make_tiny_model("llama")), max_model_len=64)
+    path = str(make_tiny_model("llama", attention_bias=True))
+    config = EngineConfig(model=path, max_model_len=64)
     engine = step_profile.profiling_engine(config)
     assert not engine.config.enable_prefix_caching
     with pytest.raises(RuntimeError, match="gets no fused step"):
         step_profile.profile_run(engine, [[5, 6]], [2], [[7]], [1])
+
+
+def test_a_step_profile_counts_the_fused_steps_of_a_toy_run(
+    make_tiny_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tiny fp32 model on no grid gets the fused step from its weights in tile layout: the
+    profiled turn's prompt and decode steps are counted, and their cycles come from the
+    executor's step_profile, which is cleared after the run."""
+    from pagedinfer.kernels import torch_ops
+    from pagedinfer.service.config import EngineConfig
+
+    if not torch_ops.compiled_kernels():
+        pytest.skip("the fused step needs the compiled kernels")
+    step_profile = _load_benchmark("step_profile")
+    config = EngineConfig(model=str(make_tiny_model("llama")), max_model_len=64)
+    engine = step_profile.profiling_engine(config)
+    executor = engine.runner.executor
+    assert executor is not None and executor.fused is not None
+    counted: list[dict] = []  # the raw counts each summary is made from
+    summary = step_profile._summary
+
+    def recording_summary(kind: dict, *args: object) -> dict:
+        counted.append(kind)
+        return summary(kind, *args)
+
+    monkeypatch.setattr(step_profile, "_summary", recording_summary)
+    result = step_profile.profile_run(engine, [[5, 6, 7], [8, 9]], [3, 2], [[7]], [2])
+    assert executor.step_profile is None
+    prompt, decode = result["prompt_steps"], result["decode_steps"]
+    # Both prompts in one step, then one decode step with both and one with the longer.
+    assert (prompt["steps"], prompt["tokens"]) == (1, 5)
+    assert (decode["steps"], decode["tokens"]) == (2, 3)
+    assert set(prompt["phases"]) == set(decode["phases"]) == set(step_profile.fused_step.PHASES)
+    qkv = step_profile.fused_step.PHASES.index("qkv")
+    assert len(counted) == 2
+    for kind in counted:
+        assert (kind["cycles"][:, qkv, 0] > 0).all()  # every worker ran each step's q/k/v
