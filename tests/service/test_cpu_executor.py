@@ -72,10 +72,10 @@ FEATURE_CASES: dict[str, dict[str, Any]] = {
     "qk_norm": {"architecture": "qwen3", "qk_norm": True},
     "query_pre_attn_scalar": {"query_pre_attn_scalar": 32.0},
     "final_logit_softcapping": {"final_logit_softcapping": 3.0},
-    **dict.fromkeys(
-        ("gemma_rms_norm", "gelu_tanh_glu", "scaled_embeddings", "sandwich_norms"),
-        {"architecture": "gemma3", "qk_norm": True, "query_pre_attn_scalar": 16.0},
-    ),
+    **{
+        feature: {"architecture": "gemma3", "qk_norm": True, "query_pre_attn_scalar": 16.0}
+        for feature in ("gemma_rms_norm", "gelu_tanh_glu", "scaled_embeddings", "sandwich_norms")
+    },
 }
 
 # A prompt each for two sequences, then a decode and a four-token run.
