@@ -93,20 +93,12 @@ def chat_requests(directory: Path, args: argparse.Namespace) -> tuple[Workload, 
     /v1/chat/completions, and their token ids under the model's chat template, as the
     offline API gets them (and as the server's usage must count them)."""
     from transformers import AutoTokenizer
-    from workloads.chat import CHAT_PROMPTS, load_chat_prompts, render
+    from workloads.chat import CHAT_PROMPTS, chat_workload, load_chat_prompts
 
-    prompts = load_chat_prompts(args.chat_prompts or CHAT_PROMPTS)
-    if not 1 <= args.num_requests <= len(prompts):
-        raise ValueError(
-            f"the chat workload has {len(prompts)} prompts; --num-requests {args.num_requests}"
-        )
-    prompts = prompts[: args.num_requests]
+    path = args.chat_prompts or CHAT_PROMPTS
     tokenizer = AutoTokenizer.from_pretrained(directory)
-    messages = [p["messages"] for p in prompts]
-    wl = Workload([render(tokenizer, m) for m in messages], [p["output_tokens"] for p in prompts])
-    for i, (ids, n) in enumerate(zip(wl.prompts, wl.output_lens, strict=True)):
-        if len(ids) + n > args.max_model_len:
-            raise ValueError(f"chat prompt {i} needs {len(ids)} + {n} tokens, over --max-model-len")
+    wl = Workload(*chat_workload(tokenizer, args.num_requests, args.max_model_len, path))
+    messages = [p["messages"] for p in load_chat_prompts(path)[: args.num_requests]]
     return wl, messages
 
 
