@@ -528,10 +528,13 @@ def test_a_server_stopped_while_its_kernels_still_compile_exits_cleanly(
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "empty-numba-cache"))
     monkeypatch.delenv("PAGEDINFER_NUMBA_PREBUILT", raising=False)
     server = start_server(tmp_path)
-    reply = next(iter(server.stub.Generate(
-        pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingParams(max_tokens=2)),
-        metadata=server.metadata, timeout=120,
-    )))  # fmt: skip
-    assert reply.token_ids
-    assert stop_server(server) == 0, server.log_tail()
+    try:
+        reply = next(iter(server.stub.Generate(
+            pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingParams(max_tokens=2)),
+            metadata=server.metadata, timeout=120,
+        )))  # fmt: skip
+        assert reply.token_ids
+    finally:
+        code = stop_server(server)
+    assert code == 0, server.log_tail()
     assert "still compile in the background" in server.log_tail()
