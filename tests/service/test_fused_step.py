@@ -350,7 +350,10 @@ def test_a_slot_outside_the_cache_is_refused_by_name(executor: CpuExecutor) -> N
         )
 
 
-def test_weights_off_a_grid_or_with_biases_get_no_fused_step() -> None:
+def test_weights_off_every_grid_get_the_fused_step_from_their_fp32_tiles() -> None:
+    """A checkpoint whose weights lie on no grid runs the same compiled GEMMs from its fp32
+    weights in tile layout ("rebuilt"): the fused step gives the layered logits and K/V
+    bit for bit, and its LM head, on no 8-bit grid, gives every row its logits."""
     on_grids = grid_model(seed=1)
     assert find_grids(on_grids) is not None
     assert choose_mode(on_grids) == ("grid", True)
@@ -360,12 +363,33 @@ def test_weights_off_a_grid_or_with_biases_get_no_fused_step() -> None:
             parameter.normal_(0, 0.05)
     assert find_grids(plain) is None
     executor = cpu.prepare(plain, BLOCK_SIZE)
-    if executor is not None:  # MKL's packed GEMMs (torch built with MKL)
-        assert executor.mode == "mkl" and executor.fused is None and executor.argmax is None
-    # The same grid weights, with q/k/v biases: the fused step adds none.
+    assert executor is not None and executor.active
+    assert executor.mode == "rebuilt"
+    assert executor.fused.kinds == (grid_gemm.REBUILT,) * 5
+    assert executor.argmax is None
+    base = prefilled(executor, [20, 33])
+    chunks = [(0, [5], 20), (1, [1, 2, 3, 4, 5], 33)]
+    fused_cache, layered_cache = base.copy(), base.copy()
+    assert torch.equal(
+        run(fused_cache, executor, chunks, fused=True),
+        run(layered_cache, executor, chunks, fused=False),
+    )
+    assert fused_cache.equals(layered_cache)
+
+
+def test_weights_with_biases_get_no_fused_step() -> None:
+    """The same grid weights with q/k/v biases: the fused step adds none, so the library's
+    packed GEMMs serve (where torch has MKL) with the compiled ops between them."""
     with_biases = grid_model(seed=1, attention_bias=True)
+    with torch.no_grad():
+        for layer in with_biases.layers:
+            layer.self_attn.qkv_proj.bias.normal_(0, 0.05)
     assert find_grids(with_biases) is None
-    assert choose_mode(with_biases) != ("grid", True)
+    executor = cpu.prepare(with_biases, BLOCK_SIZE)
+    if executor is None:
+        pytest.skip("torch was built without MKL: the torch forward serves")
+    assert executor.mode == "mkl" and executor.compiled
+    assert executor.fused is None and executor.argmax is None
 
 
 def test_the_default_model_takes_the_fused_step_with_the_same_logits(
