@@ -224,7 +224,7 @@ class CpuExecutor:
         for seq, count in step:
             pos = np.arange(lengths[seq], lengths[seq] + count)
             blocks = seq * half + pos // block_size
-            ids.append(pos % 50 + 10)
+            ids.append(pos % self.config.vocab_size)
             positions.append(pos)
             slots.append(blocks * block_size + pos % block_size)
             lengths[seq] += count

@@ -149,7 +149,12 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def add_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
-        """out += x @ weight.T (+ bias), with the addition fused into the GEMM."""
+        """out += x @ weight.T (+ bias): fused into the GEMM in fp32; in 16-bit dtypes the
+        product is rounded first, as a separate matmul and add round it (fusing the
+        addition drifted several times further from the fp32 result in bf16)."""
+        if out.dtype != torch.float32:
+            out += F.linear(x, self.weight, self.bias)
+            return
         out.addmm_(x, self.weight.t())
         if self.bias is not None:
             out += self.bias
