@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -495,14 +495,7 @@ def find_grids(model: nn.Module) -> tuple[list[list[Any]], Any] | None:
     config = model.config
     if config.attention_bias or config.o_proj_bias or config.mlp_bias:
         return None
-    layers = []
-    for layer in model.layers:
-        grids = [grid_gemm.to_grid(linear.weight) for linear in layer.linears()]
-        if any(g is None for g in grids):
-            return None
-        layers.append(grids)
-    lm_head = grid_gemm.to_grid(model.lm_head_weight())
-    return None if lm_head is None else (layers, lm_head)
+    return _all_gemm_weights(model, grid_gemm.to_grid)
 
 
 def rebuilt_grids(model: nn.Module) -> tuple[list[list[Any]], Any] | None:
@@ -511,13 +504,21 @@ def rebuilt_grids(model: nn.Module) -> tuple[list[list[Any]], Any] | None:
     where a shape does not tile."""
     from pagedinfer.kernels.cpu import grid_gemm
 
+    return _all_gemm_weights(model, grid_gemm.rebuilt)
+
+
+def _all_gemm_weights(
+    model: nn.Module, convert: Callable[[torch.Tensor], Any]
+) -> tuple[list[list[Any]], Any] | None:
+    """convert(weight) of every layer's four GEMM weights and of the LM head, or None
+    where it gives None for one."""
     layers = []
     for layer in model.layers:
-        grids = [grid_gemm.rebuilt(linear.weight) for linear in layer.linears()]
-        if any(g is None for g in grids):
+        converted = [convert(linear.weight) for linear in layer.linears()]
+        if any(c is None for c in converted):
             return None
-        layers.append(grids)
-    lm_head = grid_gemm.rebuilt(model.lm_head_weight())
+        layers.append(converted)
+    lm_head = convert(model.lm_head_weight())
     return None if lm_head is None else (layers, lm_head)
 
 
