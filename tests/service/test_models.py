@@ -214,7 +214,7 @@ def test_preemption_keeps_greedy_output_identical(
 def tiny_raw(preset: str, **overrides: Any) -> dict[str, Any]:
     """The config.json transformers writes for a tiny preset (no weights built)."""
     import transformers
-    from conftest import TINY_BASE, TINY_PRESETS
+    from tiny_models import TINY_BASE, TINY_PRESETS
 
     class_name, kwargs = TINY_PRESETS[preset]
     config = getattr(transformers, class_name)(**{**TINY_BASE, **kwargs})

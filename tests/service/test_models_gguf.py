@@ -115,7 +115,7 @@ def test_gguf_file_serves_the_models_logits(
     arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import transformers
-    from conftest import TINY_BASE
+    from tiny_models import TINY_BASE
 
     monkeypatch.setenv("PAGEDINFER_CACHE_DIR", str(tmp_path / "cache"))
     class_name, kwargs, norm_offset = GGUF_CASES[arch]
