@@ -386,7 +386,7 @@ class CpuExecutor:
             layer_ops.rope_write_kv(qkv, rope, attn.slot_mapping, k_cache, v_cache, nh)
         else:
             qk = qkv[:, : q_size + kv_size].view(num_tokens, nh + nkv, d)
-            _rotate(qk, rope)
+            self.model.rotary.rotate(qk, rope)
             value = qkv[:, q_size + kv_size :].view(num_tokens, nkv, d)
             kernels.write_kv(
                 qk[:, nh:],
@@ -475,16 +475,6 @@ class CpuExecutor:
 
 def _norms(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach())
-
-
-def _rotate(x: torch.Tensor, cos_sin: torch.Tensor) -> None:
-    """Neox-style rotation of x [T, heads, head_dim] in place (as the model's `apply_rotary`)."""
-    cos, sin = cos_sin[:, 0].unsqueeze(1), cos_sin[:, 1].unsqueeze(1)
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated1 = x1 * cos - x2 * sin
-    x2.mul_(cos).addcmul_(x1, sin)
-    x1.copy_(rotated1)
 
 
 def find_grids(model: nn.Module) -> tuple[list[list[Any]], Any] | None:

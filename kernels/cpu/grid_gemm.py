@@ -120,17 +120,6 @@ def shape_supported(out_features: int, in_features: int) -> bool:
     return out_features % (LANES * TILE_GROUP) == 0 and in_features % GRID_BLOCK == 0
 
 
-def candidate_ends(in_features: int) -> list[tuple[int, ...]]:
-    """The parts an order may have: up to 32 equal parts, or parts of a whole number of
-    grid blocks with a shorter last one; every part of an even length (a 4-bit code byte
-    holds two inputs)."""
-    k = in_features
-    equal = [tuple(range(k // p, k + 1, k // p)) for p in range(1, 33) if k % p == 0]
-    blocked = [(*range(n, k, n), k) for n in range(GRID_BLOCK, k, GRID_BLOCK)]
-    candidates = dict.fromkeys(e for e in equal + blocked if all(x % 2 == 0 for x in e))
-    return list(candidates)
-
-
 def rebuilt(weight: torch.Tensor) -> GridWeight | None:
     """Any fp32 weight [out_features, in_features] in the kernels' tile layout, as already
     rebuilt weights (REBUILT: codes fp32 [tiles, K, 16], zero scales, which no kernel

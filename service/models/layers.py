@@ -121,6 +121,11 @@ class RotaryEmbedding(nn.Module):
         layers."""
         return self.cos_sin[positions]
 
+    @staticmethod
+    def rotate(x: torch.Tensor, cos_sin: torch.Tensor) -> None:
+        """`apply_rotary`: what backends that run the model's layers themselves call."""
+        apply_rotary(x, cos_sin)
+
 
 def apply_rotary(x: torch.Tensor, cos_sin: torch.Tensor) -> None:
     """Rotate x [T, heads, dims] in place (neox style: the two halves form the pairs) by
