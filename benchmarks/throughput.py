@@ -2,11 +2,12 @@
 decoding, contiguous) against its peers, vLLM's CPU build and llama.cpp's server (each
 in its own environment, `benchmarks/peers/`), and Hugging Face.
 
-Workloads (DESIGN.md section 8), both with fixed output lengths (EOS ignored) so every
+Workloads (DESIGN.md section 8), each with fixed output lengths (EOS ignored) so every
 system does the same work, all requests arriving at once (offline batch): `mixed`, N
 requests of random token ids with ShareGPT-like lognormal lengths scaled down for a CPU,
-fixed seed; `chat`, real chat prompts under the model's chat template
-(`benchmarks/workloads/`). A third workload shares one long system prompt and compares
+fixed seed; `chat`, real chat prompts under the model's chat template; `extraction`, real
+extraction and editing prompts whose answers repeat their passage, rendered the same way
+(`benchmarks/workloads/`). Another workload shares one long system prompt and compares
 prefix caching on and off.
 
     python benchmarks/throughput.py --json            # the full comparison
@@ -35,6 +36,7 @@ import torch
 from peers.run_llamacpp import DEFAULT_DIR as DEFAULT_LLAMACPP_DIR
 from peers.run_vllm import DEFAULT_VENV as DEFAULT_VLLM_VENV
 from workloads.chat import CHAT_PROMPTS, chat_workload
+from workloads.extraction import extraction_workload
 
 from pagedinfer.service.config import EngineConfig
 from pagedinfer.service.engine import LLMEngine
@@ -45,7 +47,7 @@ from pagedinfer.service.threads import openmp_spin
 SYSTEMS = ("paged", "paged_spec", "contiguous", "vllm", "llamacpp", "hf_static", "hf_continuous")
 # Systems set up outside the project's environment: skipped, with the reason, when absent.
 PEERS = ("vllm", "llamacpp")
-WORKLOADS = ("mixed", "chat")
+WORKLOADS = ("mixed", "chat", "extraction")
 
 
 @dataclass
@@ -644,13 +646,14 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_workload_args(ap)
-    # The chat workload serves all its prompts unless told otherwise; mixed, 32 requests.
+    # The prompt workloads serve all their prompts unless told otherwise; mixed, 32 requests.
     ap.set_defaults(num_requests=None)
     ap.add_argument(
         "--workload",
         choices=WORKLOADS,
         default="mixed",
-        help="mixed: random token ids, lognormal lengths; chat: real chat prompts",
+        help="mixed: random token ids, lognormal lengths; chat: real chat prompts; "
+        "extraction: real extraction and editing prompts, answers that repeat their context",
     )
     ap.add_argument(
         "--chat-prompts",
@@ -752,6 +755,13 @@ def main(argv: list[str] | None = None) -> int:
                 *chat_workload(
                     engine.tokenizer, args.num_requests, args.max_model_len, args.chat_prompts
                 )
+            )
+        except ValueError as err:
+            ap.error(str(err))
+    elif args.workload == "extraction":
+        try:
+            wl = Workload(
+                *extraction_workload(engine.tokenizer, args.num_requests, args.max_model_len)
             )
         except ValueError as err:
             ap.error(str(err))
