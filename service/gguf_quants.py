@@ -1,0 +1,298 @@
+"""GGUF tensor types: their block layouts, exact dequantisation, and per-32 grids.
+
+Each type we read (`FORMATS`) is a run of fixed-size blocks per row; `dequantize` gives
+the fp32 values llama.cpp's `dequantize_row_*` gives, with the same fp32 operations in the
+same order (for Q6_K, `d * scale` first and then times the code). A file holding any other
+type is refused (`check_tensor_types`) rather than served through a path nobody checked.
+
+Five types are, exactly, `fp32(d * q) + m` per run of 32 inputs with fp16 d and m
+(`block_grid`): Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0. Backends that compute from such grids
+take them from here instead of rediscovering them in the fp32 values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+GRID_BLOCK = 32  # inputs per block of the 32-wide types, and per scale of a `BlockGrid`
+SUPER_BLOCK = 256  # inputs per block of the K-quants
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """How one GGUF tensor type stores a row: blocks of `values` weights in `nbytes` bytes."""
+
+    name: str
+    values: int
+    nbytes: int
+    decode: Callable[[np.ndarray], np.ndarray]  # uint8 [blocks, nbytes] -> fp32 [blocks, values]
+
+
+@dataclass(frozen=True)
+class BlockGrid:
+    """Rows of weights that are exactly fp32(d * q) + m in each run of 32 inputs: integer
+    codes q in low..high, fp16 scales d and offsets m per run."""
+
+    codes: np.ndarray  # int8 [rows, in_features]
+    d: np.ndarray  # fp16 [rows, in_features / 32]
+    m: np.ndarray  # fp16 [rows, in_features / 32]
+    low: int
+    high: int
+
+    @property
+    def rows(self) -> int:
+        return self.codes.shape[0]
+
+    def dense(self) -> np.ndarray:
+        """The fp32 weights, as the dequantisation computes them."""
+        d = np.repeat(self.d.astype(np.float32), GRID_BLOCK, axis=1)
+        m = np.repeat(self.m.astype(np.float32), GRID_BLOCK, axis=1)
+        return self.codes.astype(np.float32) * d + m
+
+
+def concatenate(grids: Iterable[BlockGrid]) -> BlockGrid:
+    """Grids stacked along their rows (a fused weight from its parts): the codes' range
+    is the union of theirs."""
+    grids = list(grids)
+    return BlockGrid(
+        codes=np.concatenate([g.codes for g in grids]),
+        d=np.concatenate([g.d for g in grids]),
+        m=np.concatenate([g.m for g in grids]),
+        low=min(g.low for g in grids),
+        high=max(g.high for g in grids),
+    )
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """fp16 fields [blocks, 2] as fp32 [blocks, 1]."""
+    return raw.copy().view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """16 bytes a block as 32 codes: the low nibbles first, then the high ones."""
+    return np.concatenate((qs & 15, qs >> 4), axis=-1)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1's 4 bytes a block (a little-endian uint32) as bit j of value j, times 16."""
+    bits = np.unpackbits(qh, axis=-1, bitorder="little")  # [blocks, 32], bit j = value j
+    return bits << 4
+
+
+# -- the 32-wide types: codes, scales and offsets --------------------------------------
+
+
+def _q4_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    return _nibbles(raw[:, 2:18]).astype(np.int16) - 8, raw[:, 0:2], None
+
+
+def _q4_1(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    return _nibbles(raw[:, 4:20]).astype(np.int16), raw[:, 0:2], raw[:, 2:4]
+
+
+def _q5_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    q = (_nibbles(raw[:, 6:22]) | _high_bits(raw[:, 2:6])).astype(np.int16) - 16
+    return q, raw[:, 0:2], None
+
+
+def _q5_1(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    q = (_nibbles(raw[:, 8:24]) | _high_bits(raw[:, 4:8])).astype(np.int16)
+    return q, raw[:, 0:2], raw[:, 2:4]
+
+
+def _q8_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    return raw[:, 2:34].view(np.int8).astype(np.int16), raw[:, 0:2], None
+
+
+# type -> (codes int16 [blocks, 32], d bytes [blocks, 2], m bytes [blocks, 2] or None)
+_SCALED_PARTS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0}
+GRID_TYPES = tuple(_SCALED_PARTS)  # the types `block_grid` takes
+
+
+def _scaled_decoder(name: str) -> Callable[[np.ndarray], np.ndarray]:
+    parts = _SCALED_PARTS[name]
+
+    def decode(raw: np.ndarray) -> np.ndarray:
+        q, d, m = parts(raw)
+        y = q.astype(np.float32) * _f16(d)  # llama.cpp: x * d, then + m where there is one
+        return y if m is None else y + _f16(m)
+
+    return decode
+
+
+# -- the K-quants -----------------------------------------------------------------------
+
+
+def _k4_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes of 6-bit scales and mins as 8 each, fp32 [blocks, 8]."""
+    sc = np.concatenate((s[:, 0:4] & 63, (s[:, 8:12] & 15) | ((s[:, 0:4] >> 6) << 4)), axis=1)
+    mn = np.concatenate((s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)), axis=1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _by_chunks(low: np.ndarray, high: np.ndarray) -> np.ndarray:
+    """Codes [blocks, 4, 32] of each 64-value chunk's low and high nibbles as [blocks, 8, 32]:
+    sub-block 2c is chunk c's low nibbles, 2c + 1 its high ones."""
+    return np.stack((low, high), axis=2).reshape(low.shape[0], 8, 32)
+
+
+def _decode_q4_k(raw: np.ndarray) -> np.ndarray:
+    d, dmin = _f16(raw[:, 0:2]), _f16(raw[:, 2:4])
+    sc, mn = _k4_scales(raw[:, 4:16])
+    qs = raw[:, 16:144].reshape(-1, 4, 32)
+    q = _by_chunks(qs & 15, qs >> 4).astype(np.float32)
+    d1, m1 = d * sc, dmin * mn  # [blocks, 8]
+    return (d1[:, :, None] * q - m1[:, :, None]).reshape(-1, SUPER_BLOCK)
+
+
+def _decode_q5_k(raw: np.ndarray) -> np.ndarray:
+    d, dmin = _f16(raw[:, 0:2]), _f16(raw[:, 2:4])
+    sc, mn = _k4_scales(raw[:, 4:16])
+    qh = raw[:, 16:48]  # [blocks, 32]: bit 2c of byte l is value l of chunk c's low half
+    qs = raw[:, 48:176].reshape(-1, 4, 32)
+    chunk = np.arange(4, dtype=np.uint8)[None, :, None]
+    low = (qs & 15) + (((qh[:, None, :] >> (2 * chunk)) & 1) << 4)
+    high = (qs >> 4) + (((qh[:, None, :] >> (2 * chunk + 1)) & 1) << 4)
+    q = _by_chunks(low, high).astype(np.float32)
+    d1, m1 = d * sc, dmin * mn
+    return (d1[:, :, None] * q - m1[:, :, None]).reshape(-1, SUPER_BLOCK)
+
+
+def _decode_q6_k(raw: np.ndarray) -> np.ndarray:
+    ql = raw[:, 0:128].reshape(-1, 2, 64)
+    qh = raw[:, 128:192].reshape(-1, 2, 1, 32)
+    sc = raw[:, 192:208].view(np.int8).astype(np.float32).reshape(-1, 2, 8)
+    d = _f16(raw[:, 208:210])[:, :, None]
+    # Per half of 128 values: four runs of 32, from ql's low nibbles (bytes 0..31, then
+    # 32..63), then its high nibbles; each run's 2 high bits from qh at shifts 0, 2, 4, 6.
+    low4 = np.concatenate((ql[:, :, None, 0:32], ql[:, :, None, 32:64]), axis=2)
+    low4 = np.concatenate((low4 & 15, low4 >> 4), axis=2)  # [blocks, 2, 4, 32]
+    shifts = (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]
+    q = (low4 | (((qh >> shifts) & 3) << 4)).astype(np.int8) - np.int8(32)
+    scale = np.repeat(d * sc, 16, axis=2).reshape(-1, 2, 4, 32)  # d * sc, then times q
+    return (scale * q.astype(np.float32)).reshape(-1, SUPER_BLOCK)
+
+
+def _decode_q2_k(raw: np.ndarray) -> np.ndarray:
+    scales = raw[:, 0:16].reshape(-1, 2, 4, 2)  # [half, shift, run of 16]
+    qs = raw[:, 16:80].reshape(-1, 2, 1, 2, 16)
+    d, dmin = _f16(raw[:, 80:82]), _f16(raw[:, 82:84])
+    shifts = (2 * np.arange(4, dtype=np.uint8))[None, None, :, None, None]
+    q = ((qs >> shifts) & 3).astype(np.float32)  # [blocks, half, shift, 2, 16]
+    dl = d[:, :, None, None] * (scales & 15).astype(np.float32)
+    ml = dmin[:, :, None, None] * (scales >> 4).astype(np.float32)
+    return (dl[..., None] * q - ml[..., None]).reshape(-1, SUPER_BLOCK)
+
+
+def _decode_q3_k(raw: np.ndarray) -> np.ndarray:
+    hmask = raw[:, 0:32].reshape(-1, 1, 1, 2, 16)
+    qs = raw[:, 32:96].reshape(-1, 2, 1, 2, 16)
+    s = raw[:, 96:108]
+    d = _f16(raw[:, 108:110])
+    low, high = s[:, 0:8], s[:, 8:12]
+    six = np.concatenate(
+        (
+            (low[:, 0:4] & 15) | ((high & 3) << 4),
+            (low[:, 4:8] & 15) | (((high >> 2) & 3) << 4),
+            (low[:, 0:4] >> 4) | (((high >> 4) & 3) << 4),
+            (low[:, 4:8] >> 4) | (((high >> 6) & 3) << 4),
+        ),
+        axis=1,
+    )
+    dl = d * (six.astype(np.float32) - 32)  # [blocks, 16]: 8 per half, 2 per shift
+    shifts = (2 * np.arange(4, dtype=np.uint8))[None, None, :, None, None]
+    bit = np.arange(8, dtype=np.uint8).reshape(1, 2, 4, 1, 1)  # hmask bit 4 * half + shift
+    lows = ((qs >> shifts) & 3).astype(np.int8)
+    q = lows - np.where((hmask >> bit) & 1, np.int8(0), np.int8(4))
+    return (dl.reshape(-1, 2, 4, 2, 1) * q.astype(np.float32)).reshape(-1, SUPER_BLOCK)
+
+
+def _decode_f32(raw: np.ndarray) -> np.ndarray:
+    return raw.copy().view(np.float32)
+
+
+def _decode_f16(raw: np.ndarray) -> np.ndarray:
+    return raw.copy().view(np.float16).astype(np.float32)
+
+
+def _decode_bf16(raw: np.ndarray) -> np.ndarray:
+    return (raw.copy().view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+FORMATS: dict[str, BlockFormat] = {
+    f.name: f
+    for f in (
+        BlockFormat("F32", 1, 4, _decode_f32),
+        BlockFormat("F16", 1, 2, _decode_f16),
+        BlockFormat("BF16", 1, 2, _decode_bf16),
+        BlockFormat("Q4_0", 32, 18, _scaled_decoder("Q4_0")),
+        BlockFormat("Q4_1", 32, 20, _scaled_decoder("Q4_1")),
+        BlockFormat("Q5_0", 32, 22, _scaled_decoder("Q5_0")),
+        BlockFormat("Q5_1", 32, 24, _scaled_decoder("Q5_1")),
+        BlockFormat("Q8_0", 32, 34, _scaled_decoder("Q8_0")),
+        BlockFormat("Q2_K", 256, 84, _decode_q2_k),
+        BlockFormat("Q3_K", 256, 110, _decode_q3_k),
+        BlockFormat("Q4_K", 256, 144, _decode_q4_k),
+        BlockFormat("Q5_K", 256, 176, _decode_q5_k),
+        BlockFormat("Q6_K", 256, 210, _decode_q6_k),
+    )
+}
+SUPPORTED_TYPES = tuple(FORMATS)
+
+
+def check_tensor_types(tensors: Iterable[tuple[str, str]], source: object) -> None:
+    """Refuse a file (`source`, for the message) with a tensor of a type not in FORMATS,
+    given (tensor name, type name) pairs; ValueError names the first such tensor."""
+    for name, type_name in tensors:
+        if type_name not in FORMATS:
+            raise ValueError(
+                f"{source}: tensor {name!r} has GGUF type {type_name}, which pagedinfer does "
+                f"not read (supported: {', '.join(SUPPORTED_TYPES)})"
+            )
+
+
+def _blocks(raw: np.ndarray, fmt: BlockFormat) -> np.ndarray:
+    """uint8 [..., row bytes] as [blocks, nbytes]."""
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    if raw.shape[-1] % fmt.nbytes:
+        raise ValueError(f"{fmt.name}: a row of {raw.shape[-1]} bytes is not whole blocks")
+    return raw.reshape(-1, fmt.nbytes)
+
+
+def dequantize(raw: np.ndarray, type_name: str) -> np.ndarray:
+    """Rows of raw blocks (uint8 [..., row bytes]) of a type in FORMATS as fp32
+    [..., row values], exactly as llama.cpp dequantises them."""
+    fmt = FORMATS[type_name]
+    values = fmt.decode(_blocks(raw, fmt))
+    per_row = raw.shape[-1] // fmt.nbytes * fmt.values
+    return values.reshape(*raw.shape[:-1], per_row)
+
+
+def block_grid(raw: np.ndarray, type_name: str) -> BlockGrid | None:
+    """Rows of raw blocks (uint8 [rows, row bytes]) as their `BlockGrid`, for the types
+    that are one (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); None for the others.
+
+    Q4_0 (d * (q - 8)) keeps its codes 0..15 with m = -8d, which fp32(d * q) + m gives
+    exactly (d * (q - 8) is exact in fp32), unless -8d overflows fp16: then codes -8..7."""
+    if type_name not in _SCALED_PARTS:
+        return None
+    fmt = FORMATS[type_name]
+    rows = raw.shape[0]
+    q, d_raw, m_raw = _SCALED_PARTS[type_name](_blocks(raw, fmt))
+    d = d_raw.copy().view(np.float16).reshape(rows, -1)
+    low, high = {"Q4_0": (-8, 7), "Q4_1": (0, 15), "Q5_0": (-16, 15), "Q5_1": (0, 31)}.get(
+        type_name, (-128, 127)
+    )
+    if m_raw is not None:
+        m = m_raw.copy().view(np.float16).reshape(rows, -1)
+    else:
+        m = np.zeros_like(d)
+        if type_name == "Q4_0":
+            with np.errstate(over="ignore"):
+                offset = (d.astype(np.float32) * -8).astype(np.float16)
+            if np.isfinite(offset)[np.isfinite(d)].all():
+                q, m, low, high = q + 8, offset, 0, 15
+    return BlockGrid(q.astype(np.int8).reshape(rows, -1), d, m, low, high)
