@@ -7,6 +7,7 @@ It knows nothing about scheduling or sampling.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -95,6 +96,19 @@ def num_kv_blocks(
     return blocks
 
 
+def kernel_set_identity(loaded: LoadedModel, block_size: int, dtype: torch.dtype) -> str:
+    """What picks the CPU kernels' variants for this model: its shapes and features (not
+    its name or context length), the dtype, the block size, and its weights, by files."""
+    fields = dataclasses.asdict(loaded.config)
+    for unrelated in ("name", "eos_token_ids", "max_model_len"):
+        fields.pop(unrelated, None)
+    weights = sorted(
+        f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}"
+        for p in loaded.path.glob("*.safetensors")
+    )
+    return repr((sorted(fields.items()), str(dtype), block_size, str(loaded.path), weights))
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel, device: torch.device):
         self.config = config
@@ -106,13 +120,19 @@ class ModelRunner:
         # The CPU backend, where it serves this model here; until its kernels are ready
         # (compiled in the background) the model's own forward serves. Prepared before
         # the KV cache is sized from the memory left, which its weights take from.
+        # Where an earlier start left this model's kernels in numba's disk cache, the
+        # executor is built before serving even in the server: no torch-forward phase and
+        # no second copy of the weights beside the executor's. Else it compiles in the
+        # background (the server) while the torch forward serves.
         self.executor = None
+        self._kernel_set = kernel_set_identity(loaded, config.block_size, self.dtype)
         if device.type == "cpu":
             from pagedinfer.kernels import cpu
 
-            self.executor = cpu.prepare(
-                self.model, config.block_size, background=config.compile_in_background
-            )
+            background = config.compile_in_background and not cpu.compiled_before(self._kernel_set)
+            self.executor = cpu.prepare(self.model, config.block_size, background=background)
+            if self.executor is not None and self.executor.active:
+                cpu.record_compiled(self._kernel_set)
         building = self.executor is not None and not self.executor.active
         self.num_blocks = num_kv_blocks(
             config,
@@ -157,7 +177,10 @@ class ModelRunner:
         args = (inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
         executor = self.executor
         if executor is not None and not executor.active and executor.ready:
+            from pagedinfer.kernels import cpu
+
             executor.activate()
+            cpu.record_compiled(self._kernel_set)
             log.info("CPU executor: kernels ready, serving every step")
         if executor is not None and executor.active:
             logits, tokens = executor.forward(*args, inputs.logits_indices, inputs.greedy)

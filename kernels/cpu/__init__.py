@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedinfer.kernels.cpu.compile_record import compiled_before, record_compiled
 from pagedinfer.kernels.cpu.executor import (
     SUPPORTED_FEATURES,
     CpuExecutor,
@@ -26,4 +27,12 @@ def supports(model_config: Any) -> bool:
     return not unsupported_features(model_config)
 
 
-__all__ = ["SUPPORTED_FEATURES", "CpuExecutor", "prepare", "supports", "unsupported_features"]
+__all__ = [
+    "SUPPORTED_FEATURES",
+    "CpuExecutor",
+    "compiled_before",
+    "prepare",
+    "record_compiled",
+    "supports",
+    "unsupported_features",
+]

@@ -1,0 +1,82 @@
+"""The record of which kernel sets numba's cache holds: a start whose kernels an earlier
+start left in the cache builds the CPU executor before serving, even in the server; any
+change that would make numba's cache miss also forgets the record."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from pagedinfer.kernels.cpu import compile_record
+from pagedinfer.service.config import EngineConfig
+from pagedinfer.service.engine import LLMEngine
+from pagedinfer.service.sampling_params import SamplingParams
+
+
+@pytest.fixture
+def records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    directory = tmp_path / "records"
+    monkeypatch.setattr(compile_record, "record_directory", lambda: directory)
+    return directory
+
+
+def test_a_record_names_one_kernel_set(records: Path) -> None:
+    assert not compile_record.compiled_before("model a")
+    compile_record.record_compiled("model a")
+    assert compile_record.compiled_before("model a")
+    assert not compile_record.compiled_before("model b")
+    assert len(list(records.iterdir())) == 1
+
+
+def test_editing_a_kernel_source_forgets_the_record(
+    records: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sources = tmp_path / "kernels" / "cpu"
+    sources.mkdir(parents=True)
+    kernel = sources / "kernel.py"
+    kernel.write_text("x = 1\n")
+    (sources.parent / "torch_ops.py").write_text("y = 1\n")
+    monkeypatch.setattr(compile_record, "_KERNEL_SOURCES", sources)
+    compile_record.record_compiled("model")
+    assert compile_record.compiled_before("model")
+    kernel.write_text("x = 2\n")
+    stat = kernel.stat()
+    os.utime(kernel, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert not compile_record.compiled_before("model")
+
+
+def test_an_unwritable_cache_gets_no_record(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setattr(compile_record, "record_directory", lambda: blocker / "records")
+    compile_record.record_compiled("model")  # logs, does not raise
+    assert not compile_record.compiled_before("model")
+
+
+def test_a_recorded_kernel_set_is_built_before_serving(
+    records: Path, make_tiny_model: Callable[..., Path]
+) -> None:
+    config = EngineConfig(
+        model=str(make_tiny_model("llama")),
+        num_gpu_blocks=32,
+        max_model_len=128,
+        compile_in_background=True,
+    )
+    first = LLMEngine(config)
+    if first.runner.executor is None:
+        pytest.skip("no CPU executor on this machine")
+    assert not first.runner.executor.active  # compiling in the background
+    assert first.runner.executor.wait_ready(timeout=600)
+    first.add_request([1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
+    while first.has_unfinished():
+        first.step()
+    assert first.runner.executor.active  # activated between steps, and recorded
+
+    second = LLMEngine(config)
+    assert second.runner.executor is not None and second.runner.executor.active
+    assert second.runner.executor.mode == first.runner.executor.mode
