@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# llama.cpp's `llama-server` and `llama-bench`, built from the llama.cpp source vendored
-# in the PyPI `llama-cpp-python` sdist, for benchmarks/throughput.py --systems llamacpp.
+# llama.cpp's `llama-server`, `llama-bench` and `llama-quantize`, built from the llama.cpp
+# source vendored in the PyPI `llama-cpp-python` sdist, for benchmarks/throughput.py
+# --systems llamacpp, benchmarks/single_request.py and make_gguf_files.sh.
 # Not part of CI's test run. The build downloads nothing (no curl, no web UI) and tunes
 # for this CPU (-DGGML_NATIVE=ON). On 2 cores it takes about 20 minutes; it runs at the
 # lowest priority with 2 jobs so that it does not starve other work.
@@ -34,10 +35,11 @@ nice -n 19 cmake -S "$vendored" -B "$root/build" -DCMAKE_BUILD_TYPE=Release \
     -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
     -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 nice -n 19 cmake --build "$root/build" --config Release -j "$jobs" \
-    --target llama-server llama-bench
+    --target llama-server llama-bench llama-quantize
 
 mkdir -p "$root/bin"
-cp "$root/build/bin/llama-server" "$root/build/bin/llama-bench" "$root/bin/"
+cp "$root/build/bin/llama-server" "$root/build/bin/llama-bench" "$root/build/bin/llama-quantize" \
+    "$root/bin/"
 version="$(basename "$(ls "$root"/sdist/llama_cpp_python-*.tar.gz | sort -V | tail -n 1)" .tar.gz)"
 echo "${version#llama_cpp_python-}" >"$root/bin/VERSION"
 "$root/bin/llama-server" --version 2>&1 | head -n 3 || true
