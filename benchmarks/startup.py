@@ -3,8 +3,10 @@ and `pagedinfer generate "..." --chat` to its answer, with cold and warm caches.
 
 Cold: the numba kernel cache (NUMBA_CACHE_DIR) and pagedinfer's model cache
 (PAGEDINFER_CACHE_DIR: the embedded model converted from GGUF) point at empty
-directories. Warm: a second start over the same directories. Each server run then
-takes a load of concurrent gRPC streams and reports its peak resident set (VmHWM).
+directories; a cold server serves on the torch forward while its kernels compile, and
+the run waits for them (`kernels_compiled_s`). Warm: a second start over the same
+directories. Each server run then takes a load of concurrent gRPC streams and reports
+its peak resident set (VmHWM).
 
     python benchmarks/startup.py                          # cold and warm, serve and generate
     python benchmarks/startup.py --modes warm --json benchmarks/results/startup_xeon.json
@@ -189,6 +191,11 @@ def run_serve(caches: Caches, streams: int, max_tokens: int, extra: list[str]) -
             result["load"] = run_load(stub, pb, streams, max_tokens)
             result["rss_after_load_mib"] = mib(vm_kib(process.pid, "VmRSS"))
             result["peak_rss_under_load_mib"] = mib(vm_kib(process.pid, "VmHWM"))
+            if caches.cold and caches.numba is not None:
+                # Until its kernels are compiled a cold server serves on the torch
+                # forward; the next start is warm only once they are all in the cache.
+                compiled = wait_for_compile_record(caches.numba, process, start)
+                result["kernels_compiled_s"] = compiled
         finally:
             channel.close()
             if process.poll() is None:
@@ -196,6 +203,18 @@ def run_serve(caches: Caches, streams: int, max_tokens: int, extra: list[str]) -
             if process.returncode is None:
                 wait_for_exit(process)
     return result
+
+
+def wait_for_compile_record(numba_cache: Path, process: subprocess.Popen, start: float) -> float:
+    """Seconds from start until the server recorded its kernels as compiled in the cache
+    (`kernels/cpu/compile_record.py`), waiting for it."""
+    while not any(numba_cache.glob("pagedinfer-compiled-*")):
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode} while compiling")
+        if time.monotonic() - start > START_TIMEOUT_S:
+            raise RuntimeError(f"kernels not compiled within {START_TIMEOUT_S:.0f} s")
+        time.sleep(0.2)
+    return round(time.monotonic() - start, 3)
 
 
 def run_load(stub: Any, pb: Any, streams: int, max_tokens: int) -> dict[str, Any]:

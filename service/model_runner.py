@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -109,6 +111,15 @@ def kernel_set_identity(loaded: LoadedModel, block_size: int, dtype: torch.dtype
     return repr((sorted(fields.items()), str(dtype), block_size, str(loaded.path), weights))
 
 
+def _record_when_ready(executor: Any, kernel_set: str) -> None:
+    """Record a kernel set once a background warm-up has compiled it (a failed warm-up
+    never becomes ready, and records nothing)."""
+    from pagedinfer.kernels import cpu
+
+    if executor.wait_ready():
+        cpu.record_compiled(kernel_set)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel, device: torch.device):
         self.config = config
@@ -133,6 +144,13 @@ class ModelRunner:
             self.executor = cpu.prepare(self.model, config.block_size, background=background)
             if self.executor is not None and self.executor.active:
                 cpu.record_compiled(self._kernel_set)
+            elif self.executor is not None:  # recorded once compiled, served or not
+                threading.Thread(
+                    target=_record_when_ready,
+                    args=(self.executor, self._kernel_set),
+                    name="pagedinfer-compile-record",
+                    daemon=True,
+                ).start()
         building = self.executor is not None and not self.executor.active
         self.num_blocks = num_kv_blocks(
             config,
@@ -177,10 +195,7 @@ class ModelRunner:
         args = (inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
         executor = self.executor
         if executor is not None and not executor.active and executor.ready:
-            from pagedinfer.kernels import cpu
-
             executor.activate()
-            cpu.record_compiled(self._kernel_set)
             log.info("CPU executor: kernels ready, serving every step")
         if executor is not None and executor.active:
             logits, tokens = executor.forward(*args, inputs.logits_indices, inputs.greedy)
