@@ -43,6 +43,10 @@ class EngineConfig:
     # carries enough rows already: there a draft's rejected tokens cost a row each and
     # its kept ones save a pass only for the longest requests (see spec_decode.py).
     speculative_max_running: int = 64
+    # A forward pass's cost beyond its rows, in rows (a row costs 1): what a pass saved by
+    # kept drafts is worth against the draft rows rejected (spec_decode.draft_length).
+    # 5 fits a small model on a few CPU threads; a GPU's passes are worth far more rows.
+    speculative_pass_rows: int = 5
     # The CPU backend (kernels/cpu) compiles its kernels in a background thread while the
     # model's torch forward serves, instead of before the engine starts (a server that
     # should report ready quickly sets it).
@@ -70,6 +74,7 @@ class EngineConfig:
                 f"got {self.num_speculative_tokens!r}"
             )
         _positive("speculative_max_running", self.speculative_max_running)
+        _positive("speculative_pass_rows", self.speculative_pass_rows)
         _positive("prompt_lookup_min", self.prompt_lookup_min)
         _positive("prompt_lookup_max", self.prompt_lookup_max)
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -185,6 +190,13 @@ def add_engine_arguments(parser) -> None:
         type=int,
         default=d.speculative_max_running,
         help="draft only while at most this many requests are running",
+    )
+    g.add_argument(
+        "--speculative-pass-rows",
+        type=int,
+        default=d.speculative_pass_rows,
+        help="a forward pass's cost beyond its rows, in rows: drafts pay where it is "
+        "large against the batch",
     )
     g.add_argument(
         "--prompt-lookup-min",

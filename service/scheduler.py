@@ -152,6 +152,10 @@ class Scheduler:
                 pending_blocks += self.kv_cache.num_new_blocks(
                     r, r.num_tokens - r.num_computed_tokens
                 )
+            # The step's rows without drafts, the waiting prompts' included: what a
+            # draft's rows add to (spec_decode.saving_rows).
+            rows = min(budget, pending + self._waiting_tokens(budget - pending))
+            step = speculator.step_rows(self.running, bool(self.waiting), rows)
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled) < max_seqs:
             request = self.running[i]
@@ -161,7 +165,7 @@ class Scheduler:
             if drafting:
                 pending -= need
                 pending_blocks -= self.kv_cache.num_new_blocks(request, need)
-                draft = speculator.draft(request, budget - num_tokens - pending)
+                draft = speculator.draft(request, budget - num_tokens - pending, step)
                 # A guess gets only blocks nothing else needs; short of them, it is dropped.
                 if draft and not self.kv_cache.allocate_slots(
                     request, num_tokens + len(draft), keep_free=pending_blocks
@@ -169,6 +173,8 @@ class Scheduler:
                     draft = []
             if draft or self._allocate_or_preempt(request, num_tokens, preempted):
                 scheduled.append(ScheduledRequest(request, num_tokens + len(draft), draft))
+                if draft:
+                    step.rows += len(draft)
                 budget -= num_tokens + len(draft)
                 i += 1
 
@@ -203,6 +209,15 @@ class Scheduler:
             copy_blocks=self.kv_cache.take_pending_copies(),
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
         )
+
+    def _waiting_tokens(self, limit: int) -> int:
+        """The tokens the waiting requests still need, counted until they reach `limit`."""
+        total = 0
+        for request in self.waiting:
+            if total >= limit:
+                break
+            total += request.num_tokens - request.num_computed_tokens
+        return total
 
     def _allocate_or_preempt(
         self, request: Request, num_tokens: int, preempted: list[Request]
@@ -263,7 +278,7 @@ class Scheduler:
             for token in tokens:
                 request.append_output_token(token)
             if draft:
-                self.speculator.record(request, len(draft), kept)
+                self.speculator.record(len(draft), kept)
                 self.kv_cache.trim(request)  # blocks a rejected draft reached
 
     def finish_request(self, request_id: str, status: RequestStatus) -> None:

@@ -8,8 +8,8 @@ pass. The engine keeps the draft's tokens for as long as the sampler picks them 
 those logits, plus the sampler's pick at the first disagreement or after the whole
 draft (`accepted_length`); a seeded generator then forgets the draws of the rows past
 that (`GeneratorCheckpoint`). The scheduler counts the kept tokens' KV as computed,
-releases the blocks the rest reached, and lets the request's next draft follow how this
-one did (`kept_draft_length`, `Speculator.record`).
+releases the blocks the rest reached, and counts them (`kept_draft_length`,
+`Speculator.record`).
 
 The output is exactly what decoding one token at a time gives: every kept token is the
 sampler's own pick from logits computed over the same tokens, and since a draft is
@@ -21,13 +21,21 @@ down to prompt_lookup_min), its latest earlier occurrence. Each sequence keeps a
 of its n-grams, extended by the tokens appended since the last lookup, so a lookup
 costs a few dict reads however long the sequence is.
 
-A rejected draft token costs a row of the pass and gains nothing; a kept one saves the
-sequence a pass, which shortens the run only for the requests that take the most
-passes. So a sequence's next draft is at most one token longer than what its last one
-kept (one longer again after a draft kept whole, up to `num_speculative_tokens`), and
-decodes draft only while at most `speculative_max_running` requests run: a full batch
-carries many rows per pass anyway. `benchmarks/draft_limits.py` and the throughput
-benchmark measure both choices; their figures are in benchmarks/results/.
+Drafts pay only where a pass costs more than its rows. A pass costs a fixed
+`speculative_pass_rows` rows (reading the weights, the work that does not grow with the
+batch) plus one per row; draft row j gives a token only if the model keeps the draft's
+first j tokens, and that token is worth a row of a later pass plus its share of that
+pass's fixed cost. Which pass, and shared by whom (`saving_rows`): while requests wait,
+any request that finishes sooner lets the next one in, so every row of the step shares
+it; with none waiting, the run needs a pass fewer only if every request that may still
+run then keeps a token, the ones with the most tokens left, and the others' kept tokens
+save nothing. Row j pays while the chance of its token beats B / (B + pass rows) for
+the B rows that share the pass (`draft_length`): a lone decode drafts on a fair guess, a
+full batch only on guesses that almost never miss. The chance is the request's own
+record (`DraftHistory`): every step checks how far its last guess foretold the tokens
+that came, drafted or not, recent steps weighing most. Decodes draft only while at most
+`speculative_max_running` requests run. All of it is counted, never timed: the same
+requests take the same path.
 """
 
 from __future__ import annotations
@@ -44,6 +52,12 @@ if TYPE_CHECKING:  # the scheduler imports this module, and never needs torch
     import torch
 
 
+# A request's record starts as one guessed token kept and two missed (a chance of one in
+# three), and each step's outcome counts in full while older ones fade by this factor.
+PRIOR_HITS, PRIOR_MISSES = 1.0, 2.0
+HISTORY_DECAY = 0.9
+
+
 @dataclass
 class _NgramIndex:
     """For each n, every n-gram that ends before the sequence's last token, mapped to
@@ -51,7 +65,6 @@ class _NgramIndex:
 
     by_length: dict[int, dict[tuple[int, ...], int]]
     indexed: int = 0  # n-grams ending at positions below this are in the index
-    draft_limit: int | None = None  # the longest next draft (None: as long as allowed)
 
 
 @dataclass
@@ -71,13 +84,11 @@ class NgramProposer:
             )
 
     def propose(self, request: Request, max_tokens: int) -> list[int]:
-        """Up to max_tokens tokens that may follow the request's tokens, and no more than
-        its drafts so far allow (`observe`); [] if no n-gram of its tail occurred before."""
-        index = self._index(request)
-        if index.draft_limit is not None:
-            max_tokens = min(max_tokens, index.draft_limit)
+        """Up to max_tokens tokens that may follow the request's tokens; [] if no n-gram
+        of its tail occurred before."""
         if max_tokens <= 0:
             return []
+        index = self._index(request)
         tokens = request.all_token_ids
         self._extend(index, tokens)
         end = len(tokens)
@@ -88,15 +99,6 @@ class NgramProposer:
             if follow is not None:
                 return tokens[follow : follow + max_tokens]
         return []
-
-    def observe(self, request: Request, drafted: int, kept: int, longest: int) -> None:
-        """A draft of `drafted` tokens of which the model kept the first `kept`: the
-        request's next draft may have kept + 1 tokens, or one more than this one if it was
-        kept whole, up to `longest`."""
-        if not 0 <= kept <= drafted or drafted == 0:
-            raise ValueError(f"kept {kept} of a draft of {drafted} tokens")
-        index = self._index(request)
-        index.draft_limit = min(longest, drafted + 1 if kept == drafted else kept + 1)
 
     def _index(self, request: Request) -> _NgramIndex:
         index = self._indexes.get(request)
@@ -117,13 +119,88 @@ class NgramProposer:
         index.indexed = max(index.indexed, last + 1)
 
 
+@dataclass
+class DraftHistory:
+    """How well a request's n-gram guesses foretold its next tokens, recent steps first."""
+
+    hits: float = 0.0  # guessed tokens that came, faded by HISTORY_DECAY a step
+    misses: float = 0.0  # guesses that went wrong, faded likewise
+    guess: list[int] = field(default_factory=list)  # the last guess, not yet checked
+    guess_at: int = 0  # the position guess[0] is for
+
+    @property
+    def acceptance(self) -> float:
+        """The chance that the model keeps the next guessed token."""
+        return (self.hits + PRIOR_HITS) / (self.hits + self.misses + PRIOR_HITS + PRIOR_MISSES)
+
+    def settle(self, tokens: Sequence[int]) -> None:
+        """Check the last guess against the tokens that came since: its tokens kept up
+        to the first that differs, and that one missed (none if every token came)."""
+        came = tokens[self.guess_at : self.guess_at + len(self.guess)]
+        if not came:
+            return  # nothing came yet (a preempted request), or there was no guess
+        hits = 0
+        while hits < len(came) and came[hits] == self.guess[hits]:
+            hits += 1
+        self.hits = HISTORY_DECAY * self.hits + hits
+        self.misses = HISTORY_DECAY * self.misses + (hits < len(came))
+        self.guess = []
+
+
+@dataclass
+class StepRows:
+    """Who shares the pass that this step's kept draft tokens could save."""
+
+    rows: int  # the step's rows: its tokens without drafts, then each draft given
+    queued: bool  # requests are waiting to start
+    longest: int  # the most tokens a running request may still emit
+    num_longest: int  # running requests within one draft of the longest
+
+
+def saving_rows(step: StepRows, remaining: int, reach: int) -> int:
+    """The rows that share the pass a kept draft token of a request with `remaining`
+    tokens left would save; 0 when it saves none.
+
+    With requests waiting, all the step's rows: whoever finishes sooner lets the next one
+    start sooner. With none, the run takes a pass fewer only when every request that may
+    still be running then keeps a token: those within `reach` tokens (one draft) of the
+    longest. The other requests finish before the last pass whatever they keep.
+    """
+    if step.queued:
+        return step.rows
+    return step.num_longest if remaining >= step.longest - reach else 0
+
+
+def draft_length(acceptance: float, batch_rows: int, pass_rows: int, longest: int) -> int:
+    """How many draft tokens pay when `batch_rows` rows share the pass they could save
+    (at most `longest`; none when no rows do).
+
+    Draft row j gives a token when the first j draft tokens are kept, acceptance ** j;
+    that token would otherwise take a row of a later pass and its share of the pass's
+    fixed cost of `pass_rows` rows. So row j pays while acceptance ** j exceeds
+    batch_rows / (batch_rows + pass_rows), the share of such a pass that one row is.
+    """
+    if batch_rows <= 0:
+        return 0
+    bar = batch_rows / (batch_rows + pass_rows)
+    length, chance = 0, acceptance
+    while length < longest and chance > bar:
+        length += 1
+        chance *= acceptance
+    return length
+
+
 class Speculator:
     """The scheduler's side: which decodes draft, how long, and what became of them."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.num_tokens = config.num_speculative_tokens
         self.max_running = config.speculative_max_running
+        self.pass_rows = config.speculative_pass_rows
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self._histories: weakref.WeakKeyDictionary[Request, DraftHistory] = (
+            weakref.WeakKeyDictionary()
+        )
         self.draft_tokens = 0  # cumulative draft tokens verified
         self.accepted_draft_tokens = 0  # cumulative draft tokens kept
 
@@ -131,9 +208,17 @@ class Speculator:
         """Whether decodes draft in a step with this many running requests."""
         return num_running <= self.max_running
 
-    def draft(self, request: Request, spare: int) -> list[int]:
-        """The draft of a decode: at most `spare` tokens of budget, and no more than the
-        request may still emit after this step's own token; [] for a prefill chunk."""
+    def step_rows(self, running: Sequence[Request], queued: bool, rows: int) -> StepRows:
+        """This step's `StepRows`, from its rows without drafts."""
+        left = [remaining_tokens(r) for r in running]
+        longest = max(left, default=0)
+        near = sum(n >= longest - self.num_tokens for n in left)
+        return StepRows(rows, queued, longest, near)
+
+    def draft(self, request: Request, spare: int, step: StepRows) -> list[int]:
+        """The draft of a decode: as long as pays (`saving_rows`, `draft_length`), within
+        `spare` tokens of budget and the tokens the request may still emit after this
+        step's own; [] for a prefill chunk."""
         # Not before the first output: the prompt's last token samples it, and a request
         # with n > 1 forks there.
         decoding = (
@@ -141,14 +226,29 @@ class Speculator:
         )
         if not decoding:
             return []
-        room = request.sampling_params.max_tokens - request.num_output_tokens - 1
-        return self.proposer.propose(request, min(self.num_tokens, spare, room))
+        history = self._histories.get(request)
+        if history is None:
+            history = self._histories[request] = DraftHistory()
+        tokens = request.all_token_ids
+        history.settle(tokens)
+        # The guess is made and checked every step, drafted or not: the record follows
+        # the request even while it does not pay to draft.
+        history.guess = self.proposer.propose(request, self.num_tokens)
+        history.guess_at = len(tokens)
+        left = remaining_tokens(request)
+        sharing = saving_rows(step, left, self.num_tokens)
+        longest = min(len(history.guess), spare, left - 1)
+        return history.guess[: draft_length(history.acceptance, sharing, self.pass_rows, longest)]
 
-    def record(self, request: Request, drafted: int, kept: int) -> None:
-        """Count a verified draft, and let the request's next draft follow it."""
+    def record(self, drafted: int, kept: int) -> None:
+        """Count a verified draft."""
         self.draft_tokens += drafted
         self.accepted_draft_tokens += kept
-        self.proposer.observe(request, drafted, kept, self.num_tokens)
+
+
+def remaining_tokens(request: Request) -> int:
+    """The most tokens the request may still emit (EOS may end it sooner)."""
+    return request.sampling_params.max_tokens - request.num_output_tokens
 
 
 def accepted_length(draft: Sequence[int], picks: Sequence[int]) -> int:

@@ -83,7 +83,8 @@ def plain() -> LLM:
 
 @pytest.fixture(scope="module")
 def speculative() -> LLM:
-    return LLM(**CONFIG, num_speculative_tokens=4)
+    # Passes priced far above their rows: every guess is drafted, the most rows to check.
+    return LLM(**CONFIG, num_speculative_tokens=4, speculative_pass_rows=1000)
 
 
 @pytest.fixture(params=["compiled", "torch"])
@@ -285,6 +286,8 @@ def test_n_samples_fork_correctly_when_the_prompts_last_chunk_drafts(
         ({"prompt_lookup_min": 4, "prompt_lookup_max": 3}, "prompt_lookup_min"),
         ({"speculative_max_running": 0}, "speculative_max_running"),
         ({"speculative_max_running": 1.5}, "speculative_max_running"),
+        ({"speculative_pass_rows": 0}, "speculative_pass_rows"),
+        ({"speculative_pass_rows": 2.5}, "speculative_pass_rows"),
     ],
 )
 def test_invalid_speculation_settings_name_the_field(kwargs: dict, field: str) -> None:

@@ -19,10 +19,18 @@ from pagedinfer.service.config import EngineConfig
 from pagedinfer.service.request import Request, RequestStatus
 from pagedinfer.service.sampling_params import SamplingParams
 from pagedinfer.service.scheduler import Scheduler, SchedulerOutput
+from pagedinfer.service.spec_decode import NgramProposer
 
 
 def make_scheduler(num_blocks: int = 64, **config) -> Scheduler:
-    config = {"block_size": 4, "max_model_len": 64, "num_speculative_tokens": 4, **config}
+    """Passes that cost far more than their rows, unless told: every guess is drafted."""
+    config = {
+        "block_size": 4,
+        "max_model_len": 64,
+        "num_speculative_tokens": 4,
+        "speculative_pass_rows": 10**6,
+        **config,
+    }
     return Scheduler(EngineConfig(**config), num_blocks)
 
 
@@ -134,26 +142,41 @@ def test_drafts_wait_until_no_more_than_speculative_max_running_requests_run() -
     assert [s.draft_token_ids for s in output.scheduled] == [[3, 2], [3, 2]]
 
 
-def test_a_rejection_shortens_the_requests_next_draft_and_full_acceptance_lengthens_it() -> None:
-    scheduler = make_scheduler(num_speculative_tokens=4)
-    prompt = [5, 1, 2, 3, 4, 9, 1, 2, 3, 4, 9, 1]
-    request = prefill(scheduler, "a", prompt, first=2, max_tokens=30)
+def test_a_draft_pays_for_its_rows_against_the_rows_that_share_the_pass_it_saves() -> None:
+    """With a pass worth 5 rows, a fresh request (acceptance 1/3) drafts one token alone
+    (bar 1/6) or beside another as long (2/7), none when it finishes well before the
+    longest, and none beside a waiting prompt that fills the step (31/36)."""
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    scheduler = make_scheduler(speculative_pass_rows=5, max_num_batched_tokens=32)
+    prefill(scheduler, "a", prompt, first=3, max_tokens=30)
+    assert len(only(scheduler.schedule(), "a").draft_token_ids) == 1
 
-    def draft_then_sample(tokens: list[int]) -> list[int]:
-        output = scheduler.schedule()
-        draft = only(output, "a").draft_token_ids
-        scheduler.update_from_output(output, {"a": tokens})
-        return draft
+    scheduler = make_scheduler(speculative_pass_rows=5, max_num_batched_tokens=32)
+    admit(scheduler, {"a": (prompt, 3, 30), "b": (prompt, 3, 30), "c": (prompt, 3, 10)})
+    output = scheduler.schedule()
+    assert [len(s.draft_token_ids) for s in output.scheduled] == [1, 1, 0]
 
-    # The tail [9, 1, 2] was followed by 3, 4, 9, 1; the model keeps 3 and picks 7.
-    assert draft_then_sample([3, 7]) == [3, 4, 9, 1]
-    assert draft_then_sample([1]) == []  # no n-gram of [.., 3, 7] occurred before
-    # [1] did, last followed by 2, 3, 7: one kept + 1 = 2 of them may go, kept whole.
-    assert draft_then_sample([2, 3, 4]) == [2, 3]
-    # [2, 3, 4] was last followed by 9, 1, 2, 3: one more than last time.
-    assert draft_then_sample([9, 1, 2, 3]) == [9, 1, 2]
-    assert draft_then_sample([4]) == [4, 9, 1, 2]  # up to num_speculative_tokens
-    assert request.num_output_tokens == 12
+    scheduler = make_scheduler(speculative_pass_rows=5, max_num_batched_tokens=32)
+    prefill(scheduler, "a", prompt, first=3, max_tokens=30)
+    scheduler.add_request(make_request("long", list(range(100, 130)), max_tokens=4))
+    output = scheduler.schedule()
+    assert only(output, "a").draft_token_ids == []
+    assert only(output, "long").num_tokens == 30
+
+
+def test_drafts_lengthen_while_guesses_come_true_and_stop_once_they_miss() -> None:
+    scheduler = make_scheduler(speculative_pass_rows=5, max_num_batched_tokens=32)
+    prefill(scheduler, "a", [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1], first=2, max_tokens=60)
+    lengths = [len(only(step(scheduler, lambda t: t[-5]), "a").draft_token_ids) for _ in range(3)]
+    assert lengths == [1, 3, 4]  # period 5: every guess comes true
+
+    def contrary(tokens: list[int]) -> int:
+        """A model that picks a token of the sequence, never the n-gram's guess."""
+        return NgramProposer(1, 3).propose(Request("x", tokens), 1)[0] % 5 + 1
+
+    # Alone, a draft row costs a sixth of a pass: guesses must miss many times over.
+    lengths = [len(only(step(scheduler, contrary), "a").draft_token_ids) for _ in range(24)]
+    assert lengths[0] == 4 and lengths[-2:] == [0, 0]
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
-"""Speculative decoding's pieces: prompt-lookup drafts, which decodes draft, which draft
-tokens are kept, and how a seeded generator forgets the draws of the rest."""
+"""Speculative decoding's pieces: prompt-lookup drafts, which decodes draft and how long
+(the rule that a draft row must pay for itself), which draft tokens are kept, and how a
+seeded generator forgets the draws of the rest."""
 
 from __future__ import annotations
 
@@ -11,11 +12,15 @@ from pagedinfer.service.config import EngineConfig
 from pagedinfer.service.request import Request
 from pagedinfer.service.sampling_params import SamplingParams
 from pagedinfer.service.spec_decode import (
+    DraftHistory,
     GeneratorCheckpoint,
     NgramProposer,
     Speculator,
+    StepRows,
     accepted_length,
+    draft_length,
     kept_draft_length,
+    saving_rows,
 )
 
 
@@ -140,26 +145,6 @@ def test_incremental_lookups_agree_with_the_brute_force_rule(
         assert proposer.propose(request, max_tokens) == expected
 
 
-def test_observed_drafts_limit_the_next_one() -> None:
-    proposer = NgramProposer(lookup_min=1, lookup_max=3)
-    request = make_request([1, 2, 3, 4, 5, 6, 1, 2])
-    assert proposer.propose(request, 4) == [3, 4, 5, 6]
-    proposer.observe(request, drafted=4, kept=0, longest=4)
-    assert proposer.propose(request, 4) == [3]
-    proposer.observe(request, drafted=1, kept=1, longest=4)
-    assert proposer.propose(request, 4) == [3, 4]
-    proposer.observe(request, drafted=2, kept=2, longest=2)
-    assert proposer.propose(request, 4) == [3, 4]  # never past `longest`
-    assert proposer.propose(request, 1) == [3]  # nor past the caller's limit
-
-
-@pytest.mark.parametrize(("drafted", "kept"), [(0, 0), (2, 3), (2, -1)])
-def test_an_impossible_observation_is_refused(drafted: int, kept: int) -> None:
-    proposer = NgramProposer(lookup_min=1, lookup_max=3)
-    with pytest.raises(ValueError, match="kept"):
-        proposer.observe(make_request([1, 2, 1]), drafted, kept, longest=4)
-
-
 @pytest.mark.parametrize(
     ("draft", "picks", "accepted"),
     [
@@ -200,8 +185,113 @@ def test_a_rewound_generator_draws_as_if_only_the_kept_rows_had_drawn() -> None:
     assert torch.rand(1, generator=drafted).item() == expected[2]
 
 
+# The rule --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("acceptance", "batch_rows", "pass_rows", "longest", "length"),
+    [
+        # A lone decode (bar 1/6): a fair guess pays for two rows, 0.5 and 0.25 > 1/6.
+        (0.5, 1, 5, 4, 2),
+        (0.9, 1, 5, 4, 4),  # a good one for all it may have
+        (0.9, 1, 5, 2, 2),  # never past `longest`
+        (0.1, 1, 5, 4, 0),  # a poor guess pays for nothing
+        # 49 rows (bar 49/54 = 0.907): only guesses that almost never miss pay.
+        (0.5, 49, 5, 4, 0),
+        (0.9, 49, 5, 4, 0),
+        (0.97, 49, 5, 4, 3),  # 0.97 ** 3 = 0.913 > 0.907 > 0.97 ** 4
+        (1.0, 49, 5, 4, 4),
+        # A prompt chunk fills the pass (512 rows): nearly nothing pays.
+        (0.99, 512, 5, 4, 0),
+        # A pass that costs little beyond its rows (a GPU's would cost far more).
+        (0.5, 4, 1, 4, 0),
+        (0.5, 4, 100, 4, 4),
+        (0.0, 1, 100, 4, 0),
+        (1.0, 0, 5, 4, 0),  # a pass nobody shares is never saved: nothing pays
+    ],
+)
+def test_a_draft_row_is_kept_only_while_it_pays_for_itself(
+    acceptance: float, batch_rows: int, pass_rows: int, longest: int, length: int
+) -> None:
+    assert draft_length(acceptance, batch_rows, pass_rows, longest) == length
+
+
+@pytest.mark.parametrize(
+    ("step", "remaining", "rows"),
+    [
+        # Requests wait: every row of the step shares the pass a kept token saves.
+        (StepRows(rows=40, queued=True, longest=100, num_longest=1), 5, 40),
+        (StepRows(rows=40, queued=True, longest=100, num_longest=1), 100, 40),
+        # None wait: only the requests with the most tokens left, within a draft of 4.
+        (StepRows(rows=40, queued=False, longest=100, num_longest=1), 100, 1),
+        (StepRows(rows=40, queued=False, longest=100, num_longest=3), 96, 3),
+        (StepRows(rows=40, queued=False, longest=100, num_longest=3), 95, 0),
+        (StepRows(rows=40, queued=False, longest=100, num_longest=3), 5, 0),
+    ],
+)
+def test_a_kept_token_saves_a_pass_shared_by_the_step_or_by_the_longest_requests(
+    step: StepRows, remaining: int, rows: int
+) -> None:
+    assert saving_rows(step, remaining, reach=4) == rows
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    acceptance=st.floats(0, 1),
+    rows=st.integers(1, 512),
+    pass_rows=st.integers(1, 1000),
+    longest=st.integers(0, 16),
+)
+def test_drafts_shorten_as_the_batch_grows_and_lengthen_as_guesses_improve(
+    acceptance: float, rows: int, pass_rows: int, longest: int
+) -> None:
+    length = draft_length(acceptance, rows, pass_rows, longest)
+    assert 0 <= length <= longest
+    assert draft_length(acceptance, rows + 1, pass_rows, longest) <= length
+    assert draft_length(min(1.0, acceptance + 0.05), rows, pass_rows, longest) >= length
+
+
+@pytest.mark.parametrize(
+    ("guess", "came", "hits", "misses"),
+    [
+        ([7, 8, 9], [7], 1, 0),  # one step, no draft: the first token was foretold
+        ([7, 8, 9], [6], 0, 1),
+        ([7, 8, 9], [7, 8, 5], 2, 1),  # a draft of two kept, then the model's own pick
+        ([7, 8, 9], [7, 8, 9], 3, 0),
+        ([7, 8], [7, 8, 9, 10], 2, 0),  # only the guessed positions count
+        ([], [1, 2], 0, 0),  # no n-gram matched: nothing to learn
+        ([7, 8], [], 0, 0),  # nothing came (preempted): nothing to learn yet
+    ],
+)
+def test_a_guess_is_scored_by_the_tokens_that_came(
+    guess: list[int], came: list[int], hits: int, misses: int
+) -> None:
+    history = DraftHistory(guess=guess, guess_at=3)
+    history.settle([1, 2, 3, *came])
+    assert (history.hits, history.misses) == (hits, misses)
+
+
+def test_acceptance_starts_at_one_in_three_and_follows_recent_steps_most() -> None:
+    history = DraftHistory()
+    assert history.acceptance == pytest.approx(1 / 3)
+    for _ in range(20):
+        history.guess, history.guess_at = [1], 0
+        history.settle([1])
+    assert history.acceptance > 0.8
+    for _ in range(10):
+        history.guess, history.guess_at = [1], 0
+        history.settle([2])
+    # Ten misses outweigh twenty older hits.
+    assert history.acceptance < 0.5
+
+
+# The scheduler's side ---------------------------------------------------------------
+
+
 def speculator(**config) -> Speculator:
-    return Speculator(EngineConfig(num_speculative_tokens=4, **config))
+    """Passes that cost far more than their rows, unless told: every guess pays."""
+    config = {"num_speculative_tokens": 4, "speculative_pass_rows": 10**6, **config}
+    return Speculator(EngineConfig(**config))
 
 
 def decoding_request(tokens: list[int], outputs: list[int], max_tokens: int = 16) -> Request:
@@ -212,20 +302,66 @@ def decoding_request(tokens: list[int], outputs: list[int], max_tokens: int = 16
     return request
 
 
+def alone(spec: Speculator, request: Request) -> StepRows:
+    return spec.step_rows([request], queued=False, rows=1)
+
+
+def test_the_step_knows_its_longest_requests() -> None:
+    spec = speculator()  # 4 draft tokens: within 4 of the longest counts
+    running = [decoding_request([1, 2], [3] * n, max_tokens=20) for n in (10, 6, 12, 17)]
+    assert spec.step_rows(running, queued=False, rows=9) == StepRows(9, False, 14, 2)
+
+
 def test_only_a_decode_drafts_within_its_budget_and_the_tokens_left() -> None:
     spec = speculator()
     request = decoding_request([1, 2, 3, 4, 5, 6, 1], [2])
-    assert spec.draft(request, spare=8) == [3, 4, 5, 6]
-    assert spec.draft(request, spare=2) == [3, 4]
-    assert spec.draft(decoding_request([1, 2, 3, 4, 5, 6, 1], [2], max_tokens=3), 8) == [3]
+    assert spec.draft(request, spare=8, step=alone(spec, request)) == [3, 4, 5, 6]
+    assert spec.draft(request, spare=2, step=alone(spec, request)) == [3, 4]
+    short = decoding_request([1, 2, 3, 4, 5, 6, 1], [2], max_tokens=3)
+    assert spec.draft(short, spare=8, step=alone(spec, short)) == [3]
     prefill = decoding_request([1, 2, 3, 4, 5, 6, 1, 2], [])
-    assert spec.draft(prefill, spare=8) == []  # before the first output: no draft
+    assert spec.draft(prefill, spare=8, step=alone(spec, prefill)) == []  # no output yet
+
+
+def test_a_request_that_finishes_well_before_the_longest_does_not_draft() -> None:
+    spec = speculator()
+    short = decoding_request([1, 2, 3, 4, 5, 6, 1], [2], max_tokens=8)
+    long = decoding_request([1, 2, 3, 4, 5, 6, 1], [2], max_tokens=16)
+    step = spec.step_rows([short, long], queued=False, rows=2)
+    assert spec.draft(short, spare=8, step=step) == []
+    assert spec.draft(long, spare=8, step=step) == [3, 4, 5, 6]
+    # With requests waiting, a request that finishes sooner lets the next one in.
+    step = spec.step_rows([short, long], queued=True, rows=2)
+    assert spec.draft(short, spare=8, step=step) == [3, 4, 5, 6]
 
 
 def test_drafts_stop_above_speculative_max_running_and_results_are_counted() -> None:
     spec = speculator(speculative_max_running=2)
     assert spec.drafts_with(2) and not spec.drafts_with(3)
-    request = decoding_request([1, 2, 3, 4, 5, 6, 1], [2])
-    spec.record(request, drafted=4, kept=1)
-    assert (spec.draft_tokens, spec.accepted_draft_tokens) == (4, 1)
-    assert spec.draft(request, spare=8) == [3, 4]  # kept + 1
+    spec.record(drafted=4, kept=1)
+    spec.record(drafted=2, kept=2)
+    assert (spec.draft_tokens, spec.accepted_draft_tokens) == (6, 3)
+
+
+def test_a_request_learns_from_its_guesses_even_while_it_does_not_draft() -> None:
+    """Beside 11 other rows a fresh request does not draft, but each step checks its
+    guess; once its guesses keep coming true, a draft pays even there."""
+    spec = speculator(speculative_pass_rows=5)
+    request = decoding_request([1, 2, 1, 2, 1], [2], max_tokens=64)
+    full = StepRows(rows=12, queued=True, longest=64, num_longest=1)
+    drafts = []
+    for _ in range(16):
+        drafts.append(spec.draft(request, spare=8, step=full))
+        request.append_output_token(request.all_token_ids[-2])  # the period-2 guess comes
+        request.num_computed_tokens += 1
+    assert drafts[0] == []
+    assert len(drafts[-1]) >= 1 and set(drafts[-1]) <= {1, 2}
+    # A request whose guesses never come true stops drafting, even alone.
+    request = decoding_request([1, 2, 1, 2, 1], [2], max_tokens=64)
+    lengths = []
+    for _ in range(12):
+        lengths.append(len(spec.draft(request, spare=8, step=alone(spec, request))))
+        guess = spec.proposer.propose(request, 1)
+        request.append_output_token(3 - guess[0])  # the other of 1 and 2
+        request.num_computed_tokens += 1
+    assert lengths[0] == 1 and lengths[-1] == 0
