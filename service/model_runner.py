@@ -100,15 +100,16 @@ def num_kv_blocks(
 
 def kernel_set_identity(loaded: LoadedModel, block_size: int, dtype: torch.dtype) -> str:
     """What picks the CPU kernels' variants for this model: its shapes and features (not
-    its name or context length), the dtype, the block size, and its weights, by files."""
+    its name or context length), the dtype, the block size, and its weights, by their
+    files' names, sizes and times (not by where the directory lies, which a cache moves)."""
     fields = dataclasses.asdict(loaded.config)
-    for unrelated in ("name", "eos_token_ids", "max_model_len"):
+    for unrelated in ("name", "eos_token_ids"):
         fields.pop(unrelated, None)
     weights = sorted(
         f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}"
         for p in loaded.path.glob("*.safetensors")
     )
-    return repr((sorted(fields.items()), str(dtype), block_size, str(loaded.path), weights))
+    return repr((sorted(fields.items()), str(dtype), block_size, loaded.path.name, weights))
 
 
 def _record_when_ready(executor: Any, kernel_set: str) -> None:

@@ -4,6 +4,7 @@ change that would make numba's cache miss also forgets the record."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
@@ -80,3 +81,28 @@ def test_a_recorded_kernel_set_is_built_before_serving(
     second = LLMEngine(config)
     assert second.runner.executor is not None and second.runner.executor.active
     assert second.runner.executor.mode == first.runner.executor.mode
+
+
+def test_the_kernel_set_follows_the_weights_not_where_the_cache_lies(
+    make_tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    import shutil
+    from types import SimpleNamespace
+
+    import torch
+
+    from pagedinfer.service.model_runner import kernel_set_identity
+    from pagedinfer.service.models.hf_config import model_config_from_hf
+
+    source = make_tiny_model("llama")
+    config = model_config_from_hf(json.loads((source / "config.json").read_text()), None)
+    moved = shutil.copytree(source, tmp_path / "elsewhere" / source.name)  # times kept
+
+    def identity(path: Path, dtype: torch.dtype = torch.float32) -> str:
+        return kernel_set_identity(SimpleNamespace(config=config, path=path), 16, dtype)
+
+    assert identity(moved) == identity(source)
+    assert identity(source, torch.bfloat16) != identity(source)
+    weights = next(moved.glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert identity(moved) != identity(source)
