@@ -4,7 +4,10 @@ Every source ends up as a Hugging Face style directory (config.json, *.safetenso
 tokenizer files) whose tensors are copied straight into the architecture's module
 (`models.MODEL_CLASSES`; `models.hf_config` reads its config.json). A GGUF file
 is dequantised once through transformers and cached as safetensors, so later starts
-read plain tensors instead of spending ~30 s dequantising.
+read plain tensors instead of spending ~30 s dequantising; a file holding a tensor type
+we do not read (`gguf_quants.SUPPORTED_TYPES`) is refused first. A model from a GGUF
+file also carries `gguf_grids` (`gguf_grids.block_grids`): the quantisation grids its
+blocks hold, for backends that compute from them.
 
 The cache lives in `$PAGEDINFER_CACHE_DIR`, else `$XDG_CACHE_HOME/pagedinfer`, else
 `~/.cache/pagedinfer`. Conversions are written to a temporary directory and renamed
@@ -30,6 +33,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from pagedinfer.service.gguf_grids import TensorIndex, block_grids, tensor_index
 from pagedinfer.service.models import DecoderModel, ModelConfig, build_model
 from pagedinfer.service.models.hf_config import (
     as_id_list,
@@ -132,12 +136,9 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _gguf_architecture(gguf_path: Path) -> str:
-    """The file's general.architecture, once checked that transformers' conversion of it
-    keeps everything our forward pass needs (`_gguf_losses`)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(gguf_path)
+def _gguf_architecture(reader: Any, gguf_path: Path) -> str:
+    """The file's general.architecture (reader: its `gguf.GGUFReader`), once checked that
+    transformers' conversion of it keeps everything our forward pass needs (`_gguf_losses`)."""
     field = reader.get_field("general.architecture")
     if field is None:
         raise ValueError(f"{gguf_path} has no general.architecture field: not a model GGUF?")
@@ -177,15 +178,19 @@ def _gguf_losses(reader: Any, arch: str) -> list[str]:
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    from gguf import GGUFReader
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    arch = _gguf_architecture(gguf_path)
+    reader = GGUFReader(gguf_path)
+    arch = _gguf_architecture(reader, gguf_path)
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(
             f"{gguf_path}: unsupported GGUF architecture {arch!r} "
             f"(supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})"
         )
+    TensorIndex.of(reader, gguf_path).save(out_dir)  # refuses tensor types we do not read
+    del reader
     logger.info("converting %s to safetensors in %s (once; about 30 s)", gguf_path, out_dir)
     steps = ("tokenizer", "dequantise weights", "write safetensors")
     with tqdm(total=len(steps), desc=f"Converting {gguf_path.name}", unit="step") as bar:
@@ -231,8 +236,10 @@ def load_model(
     Raises ValueError naming what was found for a missing path or an unsupported model.
     """
     device = torch.device(device)
+    gguf_file = None
     if model is None:
-        path = ensure_default_model()
+        gguf_file = default_gguf_path()
+        path = ensure_converted_gguf(gguf_file)
     else:
         path = Path(model).expanduser()
         if not path.exists():
@@ -246,6 +253,7 @@ def load_model(
                     f"model file {path} is not a .gguf file; "
                     "give a GGUF file or a Hugging Face model directory"
                 )
+            gguf_file = path
             path = ensure_converted_gguf(path)
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -264,6 +272,17 @@ def load_model(
     _load_weights(module, weight_files)
     module.reset_buffers()
     module.eval()
+    if gguf_file is not None:
+        # What the file's blocks hold, for backends that compute from quantisation grids
+        # (read on demand; the fp32 parameters stay the reference).
+        module.gguf_grids = block_grids(
+            gguf_file,
+            tensor_index(gguf_file, path),
+            {name: tuple(p.shape) for name, p in module.named_parameters()},
+            _fused_projections(config),
+            (config.num_heads, config.num_kv_heads),
+            config.num_layers,
+        )
 
     tokenizer = _load_tokenizer(path)
     if not config.eos_token_ids:
@@ -303,22 +322,26 @@ def _load_tokenizer(path: Path) -> Any:
         raise ValueError(f"{path}: no usable tokenizer ({err})") from err
 
 
-def _load_weights(module: DecoderModel, weight_files: list[Path]) -> None:
-    """Copy checkpoint tensors into the fused parameters; every parameter must be filled."""
-    from safetensors import safe_open
-
-    config = module.config
+def _fused_projections(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
+    """Hugging Face projection -> (our fused projection, its row range within it)."""
     q_size = config.num_heads * config.head_dim
     kv_size = config.num_kv_heads * config.head_dim
     inter = config.intermediate_size
-    # Hugging Face projection -> (our fused projection, row range within it)
-    fused = {
+    return {
         "self_attn.q_proj": ("self_attn.qkv_proj", 0, q_size),
         "self_attn.k_proj": ("self_attn.qkv_proj", q_size, q_size + kv_size),
         "self_attn.v_proj": ("self_attn.qkv_proj", q_size + kv_size, q_size + 2 * kv_size),
         "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
         "mlp.up_proj": ("mlp.gate_up_proj", inter, 2 * inter),
     }
+
+
+def _load_weights(module: DecoderModel, weight_files: list[Path]) -> None:
+    """Copy checkpoint tensors into the fused parameters; every parameter must be filled."""
+    from safetensors import safe_open
+
+    config = module.config
+    fused = _fused_projections(config)
     params = dict(module.named_parameters())
     filled: dict[str, int] = {}  # our parameter -> output features written
     for weight_file in weight_files:

@@ -2,9 +2,10 @@
 
 It runs the same equations as the model's own torch forward (`pagedinfer.service.models`)
 with faster parts, picked from the configuration and the CPU alone:
-- fp32 without biases: the compiled GEMMs of `grid_gemm`, from the weight's
-  quantisation grid where every weight lies on one (a model that came as a GGUF file:
-  "grid"), else from the fp32 weights in the same tile layout ("rebuilt"); steps of up
+- fp32 without biases: the compiled GEMMs of `grid_gemm`, from the weights'
+  quantisation grid at each GEMM position where every layer's weight lies on one of one
+  kind (a model that came as a GGUF file: "grid"), else from the fp32 weights in the
+  same tile layout ("rebuilt"); steps of up
   to `grid_gemm.GRID_MAX_ROWS` tokens run as one compiled call (`fused_step`), and on
   an 8-bit grid LM head greedy rows' tokens are picked without their logits
   (`greedy_argmax`, where the CPU has AVX-512 VNNI);
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,17 +111,17 @@ class CpuExecutor:
 
     def _build(self) -> None:
         """Turn the model's weights into the executor's GEMMs (no dense copy released yet):
-        their grids where every weight lies on one and the kernels are compiled, else the
-        library's packed layout."""
+        where the kernels are compiled, each GEMM position's grids or rebuilt fp32 tiles
+        (`choose_grids`), else the library's packed layout."""
+        from pagedinfer.kernels.cpu import grid_gemm
+
         model = self.model
-        grids = None
-        if self.mode == "grid":
-            grids = find_grids(model)
-            if grids is None:  # a checkpoint on no grid: its fp32 weights in tile layout
-                grids = rebuilt_grids(model)
-                self.mode = "rebuilt" if grids is not None else self.mode
+        grids = choose_grids(model) if self.mode == "grid" else None
         if grids is not None:
-            self._build_grids(*grids)
+            layer_grids, lm_head = grids
+            kinds = {g.kind for g in (*layer_grids[0], lm_head)}
+            self.mode = "rebuilt" if kinds == {grid_gemm.REBUILT} else "grid"
+            self._build_grids(layer_grids, lm_head)
             return
         if self.mode == "grid":
             self.mode = "mkl" if mkl_fp32_available(self.config_dtype()) else "dense"
@@ -135,8 +136,14 @@ class CpuExecutor:
 
         model = self.model
         orders = [grid_gemm.fixed_order(g.in_features) for g in (*layer_grids[0], lm_head)]
+        # The 8-bit argmax reads d alone: an LM head with offsets m (a GGUF Q5_1) gets none.
+        offsets = (
+            lm_head.kind == grid_gemm.SCALED8 and lm_head.scales[:, :, 1].view(np.float16).any()
+        )
         argmax = (
-            greedy_argmax.ArgmaxWeights.of(lm_head, orders[4]) if greedy_argmax.fast() else None
+            greedy_argmax.ArgmaxWeights.of(lm_head, orders[4])
+            if greedy_argmax.fast() and not offsets
+            else None
         )
         norms = torch.stack([torch.stack(_norms(layer)) for layer in model.layers])
         self.fused = fused_step.FusedWeights.stack(
@@ -202,9 +209,10 @@ class CpuExecutor:
         ]
         # Two sequences: a prompt, then decodes with greedy and sampled rows, then a draft
         # of a few tokens (the verify kernel); each through the fused step and layer by
-        # layer where there is one.
+        # layer where there is one. Last, one token alone: its query view is contiguous,
+        # which numba compiles as a kernel variant of its own.
         prompt = min(2 * block_size + 3, num_blocks // 2 * block_size - 8)
-        steps = [[(0, prompt), (1, 5)], [(0, 1), (1, 1)], [(0, 4), (1, 1)]]
+        steps = [[(0, prompt), (1, 5)], [(0, 1), (1, 1)], [(0, 4), (1, 1)], [(0, 1)]]
         fused_paths = (True, False) if self.fused is not None else (False,)
         for use_fused in fused_paths:
             lengths = [0, 0]
@@ -477,39 +485,104 @@ def _norms(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach())
 
 
-def find_grids(model: nn.Module) -> tuple[list[list[Any]], Any] | None:
-    """Every GEMM weight's quantisation grid (`grid_gemm.to_grid`), or None where one has
-    none, or a GEMM has a bias (the fused step adds none)."""
+POSITIONS = ("qkv", "o", "gate_up", "down", "lm_head")
+
+
+def choose_grids(model: nn.Module) -> tuple[list[list[Any]], Any] | None:
+    """Each GEMM position's weights (the four of every layer, in `linears()` order, and
+    the LM head) as `grid_gemm.GridWeight`s: where every layer's weight at a position lies
+    on a grid of one kind, those grids (`weight_grid`); otherwise that position's fp32
+    weights in tile layout (`grid_gemm.rebuilt`), since the fused step runs one kind per
+    position. None where a GEMM has a bias (the fused step adds none) or a shape does not
+    tile."""
     from pagedinfer.kernels.cpu import grid_gemm
 
     config = model.config
     if config.attention_bias or config.o_proj_bias or config.mlp_bias:
         return None
-    return _all_gemm_weights(model, grid_gemm.to_grid)
+    names = {id(p): name for name, p in model.named_parameters()}
+    file_grids = getattr(model, "gguf_grids", None) or {}
+    positions = [[layer.linears()[i].weight for layer in model.layers] for i in range(4)]
+    positions.append([model.lm_head_weight()])
+    chosen, described = [], []
+    for position, weights in zip(POSITIONS, positions, strict=True):
+        grids, sources = [], set()
+        for weight in weights:
+            grid, source = weight_grid(weight, names.get(id(weight), ""), file_grids)
+            if grid is None or (grids and grid.kind != grids[0].kind):
+                grids = None
+                break
+            grids.append(grid)
+            sources.add(source)
+        if grids is None:
+            grids, sources = [grid_gemm.rebuilt(w) for w in weights], set()
+            if any(g is None for g in grids):
+                return None
+        chosen.append(grids)
+        described.append(f"{position} {grids[0].kind}" + "".join(f" {s}" for s in sorted(sources)))
+    log.info("GEMM grids per position: %s", ", ".join(described))
+    layers = [list(layer) for layer in zip(*chosen[:4], strict=True)]
+    return layers, chosen[4][0]
 
 
-def rebuilt_grids(model: nn.Module) -> tuple[list[list[Any]], Any] | None:
-    """Every GEMM weight as already-rebuilt fp32 tiles (`grid_gemm.rebuilt`), so that a
-    checkpoint whose weights lie on no grid runs the same kernels and fused step; None
-    where a shape does not tile."""
+def weight_grid(weight: torch.Tensor, name: str, file_grids: Any) -> tuple[Any, str]:
+    """The quantisation grid of one fp32 GEMM weight and where it came from: the model
+    file's blocks (`file_grids[name]`, a GGUF file's grid as codes, d, m, low, high)
+    where they give exactly the weight the model holds; else the grid found in its
+    values (`grid_gemm.to_grid`); (None, "") where neither."""
     from pagedinfer.kernels.cpu import grid_gemm
 
-    return _all_gemm_weights(model, grid_gemm.rebuilt)
+    if name in file_grids:
+        block = file_grids[name]
+        grid = grid_gemm.from_codes(block.codes, block.d, block.m, block.low, block.high)
+        # Value equality: a zero's sign may differ (fma(d, 8, -8d) is +0 where a Q4_0's
+        # d * 0 is -0), which no sum of products can tell.
+        if grid is not None and _grid_holds(grid, weight.detach()):
+            return grid, "(from the file's blocks)"
+        log.warning(
+            "CPU executor: %s: the file's blocks do not give the model's weight; "
+            "finding its grid in the fp32 values",
+            name,
+        )
+    grid = grid_gemm.to_grid(weight)
+    return grid, "" if grid is None else "(found in the fp32 values)"
 
 
-def _all_gemm_weights(
-    model: nn.Module, convert: Callable[[torch.Tensor], Any]
-) -> tuple[list[list[Any]], Any] | None:
-    """convert(weight) of every layer's four GEMM weights and of the LM head, or None
-    where it gives None for one."""
-    layers = []
-    for layer in model.layers:
-        converted = [convert(linear.weight) for linear in layer.linears()]
-        if any(c is None for c in converted):
-            return None
-        layers.append(converted)
-    lm_head = convert(model.lm_head_weight())
-    return None if lm_head is None else (layers, lm_head)
+def _grid_holds(grid: Any, weight: torch.Tensor, tiles_at_once: int = 64) -> bool:
+    """Whether the grid's weights (`GridWeight.dense`, computed a few tiles at a time, in
+    cache) equal `weight` [out_features, in_features] value for value."""
+    from pagedinfer.kernels.cpu import grid_gemm
+
+    lanes, block = grid_gemm.LANES, grid_gemm.GRID_BLOCK
+    tiles, k = grid.out_features // lanes, grid.in_features
+    if tuple(weight.shape) != (tiles * lanes, k):
+        return False
+    # [tiles, blocks, 32 inputs, 16 lanes], as the grid lays its codes out
+    want = weight.numpy().reshape(tiles, lanes, k // block, block).transpose(0, 2, 3, 1)
+    for t in range(0, tiles, tiles_at_once):
+        codes = grid.codes[t : t + tiles_at_once]
+        if grid.kind == grid_gemm.AFFINE4:
+            q = np.empty((codes.shape[0], k, lanes), dtype=np.uint8)
+            q[:, 0::2], q[:, 1::2] = codes & 15, codes >> 4
+        else:
+            q = codes
+        scales = grid.scales[t : t + tiles_at_once].view(np.float16).astype(np.float32)
+        d, m = scales[:, :, 0, None, :], scales[:, :, 1, None, :]  # [tiles, blocks, 1, 16]
+        w = q.reshape(-1, k // block, block, lanes).astype(np.float32) * d + m
+        if not np.array_equal(w, want[t : t + tiles_at_once]):
+            return False
+    return True
+
+
+def find_grids(model: nn.Module) -> tuple[list[list[Any]], Any] | None:
+    """Every GEMM weight's quantisation grid (`choose_grids` with no position rebuilt), or
+    None where one has none, or a GEMM has a bias."""
+    from pagedinfer.kernels.cpu import grid_gemm
+
+    grids = choose_grids(model)
+    if grids is None or any(g.kind == grid_gemm.REBUILT for g in (*grids[0][0], grids[1])):
+        return None
+    return grids
 
 
 def warm_up_running() -> bool:
@@ -521,7 +594,8 @@ def warm_up_running() -> bool:
 def choose_mode(model: nn.Module) -> tuple[str, bool] | None:
     """Which GEMMs and whether compiled kernels serve this model on this CPU: decided by
     the weights' dtype and the CPU's features, never by timing anything. "grid" becomes
-    "mkl" when building finds a weight on no grid (`find_grids`)."""
+    "rebuilt" when building finds no position on a grid (`choose_grids`), and "mkl"
+    where a shape does not tile."""
     dtype = model.embed_tokens.weight.dtype
     compiled = dtype == torch.float32 and torch_ops.compiled_kernels()
     config = model.config

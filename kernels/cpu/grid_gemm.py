@@ -169,6 +169,30 @@ def to_grid(weight: torch.Tensor) -> GridWeight | None:
     return None
 
 
+def from_codes(
+    codes: np.ndarray, d: np.ndarray, m: np.ndarray, low: int, high: int
+) -> GridWeight | None:
+    """The grid of a weight known to be fp32(d * q) + m in each block of GRID_BLOCK inputs
+    (a GGUF file's blocks): codes int8 [out_features, in_features] in low..high, fp16 d
+    and m [out_features, in_features / GRID_BLOCK]; AFFINE4 where the codes fit 0..15,
+    else SCALED8 (its kernels add m too); None where the shape does not tile."""
+    n, k = codes.shape
+    if not shape_supported(n, k) or d.shape != (n, k // GRID_BLOCK) or m.shape != d.shape:
+        return None
+    tiles = n // LANES
+    tiled = codes.reshape(tiles, LANES, k).transpose(0, 2, 1)  # [tiles, K, 16]
+    if low >= 0 and high <= 15:
+        kind, q = AFFINE4, tiled.view(np.uint8)
+        packed = np.ascontiguousarray(q[:, 0::2] | (q[:, 1::2] << np.uint8(4)))
+    elif low >= -128 and high <= 127:
+        kind, packed = SCALED8, np.ascontiguousarray(tiled, dtype=np.int8)
+    else:
+        return None
+    scales = np.stack((d, m), axis=1).astype(np.float16)  # [n, 2, blocks]
+    scales = scales.reshape(tiles, LANES, 2, k // GRID_BLOCK).transpose(0, 3, 2, 1)
+    return GridWeight(kind, n, k, packed, np.ascontiguousarray(scales).view(np.uint16))
+
+
 @jit(nogil=True, error_model="numpy")
 def _ranges(w: np.ndarray, affine: bool) -> tuple[np.ndarray, np.ndarray]:
     """Per block of GRID_BLOCK inputs and output (w: [in, out]): the offset m (the least
