@@ -6,6 +6,7 @@ is refused, naming it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -58,10 +59,13 @@ def write_gguf(
     norm_offset: float = 0.0,
     extra: dict[str, float] | None = None,
     tokenizer: bool = True,
+    quantise: Callable[[str, np.ndarray], tuple[np.ndarray, Any] | None] | None = None,
 ) -> Path:
     """A GGUF file as llama.cpp writes one: its metadata keys, its tensor names (gguf's own
-    map from Hugging Face names), fp32 tensors; norms stored plus norm_offset (Gemma's
-    1 + weight); the default model's tokenizer unless tokenizer=False."""
+    map from Hugging Face names), llama's q and k rows permuted as its converter does,
+    fp32 tensors; norms stored plus norm_offset (Gemma's 1 + weight); the default model's
+    tokenizer unless tokenizer=False. quantise(gguf name, fp32 array) may give a tensor's
+    raw blocks and their type instead."""
     import gguf
 
     arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
@@ -92,12 +96,27 @@ def write_gguf(
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf_name
         array = tensor.float().numpy() + (norm_offset if "norm" in hf_name else 0.0)
-        writer.add_tensor(name, np.ascontiguousarray(array))
+        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
+            array = llama_cpp_permute(array, heads)
+        array = np.ascontiguousarray(array)
+        raw = quantise(name, array) if quantise is not None else None
+        if raw is None:
+            writer.add_tensor(name, array)
+        else:
+            writer.add_tensor(name, raw[0], raw_dtype=raw[1])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's order of a llama q or k weight's rows: each head's two
+    rotary halves interleaved (transformers' GGUF loader undoes it)."""
+    pairs = rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:])
+    return pairs.swapaxes(1, 2).reshape(rows.shape)
 
 
 # Each architecture as transformers' GGUF conversion reads it back: no partial rotary or
@@ -177,4 +196,254 @@ def test_gguf_files_whose_conversion_loses_a_feature_are_refused(
         tmp_path / f"{arch}.gguf", arch, config, {}, head_dim=head_dim, extra=extra, tokenizer=False
     )
     with pytest.raises(ValueError, match=f"would drop {message}"):
+        load_model(str(path), CPU, torch.float32)
+
+
+# --- quantised files: their blocks straight into the CPU executor's grids -------------
+
+# A tiny llama whose GEMMs tile (out_features multiples of 64, in_features multiples of
+# 256 for the K-quants): hidden 256, 4 heads of 64 (2 for K/V), intermediate 512.
+QUANT_CONFIG = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": False,
+}
+# GGUF tensor name prefix -> type, first match wins; each plan with the grid kinds the
+# executor's positions get (q/k/v, o, gate/up, down, LM head).
+QUANT_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
+    # Every 32-wide type, one kind per position: Q4_0 with Q4_1 parts (4-bit), Q5_0 and
+    # Q8_0 layers (8-bit, codes -16..15 and -128..127), Q5_1 (8-bit with offsets).
+    "grid_types": (
+        {
+            "blk.0.attn_q": "Q4_0",
+            "blk.0.attn_k": "Q4_1",
+            "blk.0.attn_v": "Q4_0",
+            "blk.1.attn_q": "Q4_1",
+            "blk.1.attn_k": "Q4_1",
+            "blk.1.attn_v": "Q4_1",
+            "blk.0.attn_output": "Q5_0",
+            "blk.1.attn_output": "Q8_0",
+            "blk.0.ffn_gate": "Q5_1",
+            "blk.0.ffn_up": "Q5_1",
+            "blk.1.ffn_gate": "Q5_1",
+            "blk.1.ffn_up": "Q5_1",
+            "blk.0.ffn_down": "Q8_0",
+            "blk.1.ffn_down": "Q8_0",
+            "output.": "Q8_0",
+            "token_embd": "Q8_0",
+        },
+        ("affine4", "scaled8", "scaled8", "scaled8", "scaled8"),
+    ),
+    # As llama-quantize's Q4_K_M mixes them: q/k/v of Q5_0 and Q8_0 parts, down Q6_K in
+    # one layer and Q4_K in the other (no grid: rebuilt), K-quant embeddings.
+    "q4_k_m_like": (
+        {
+            "blk.0.attn_v": "Q8_0",
+            "blk.1.attn_v": "Q8_0",
+            "blk.0.ffn_down": "Q6_K",
+            "blk.1.ffn_down": "Q4_K",
+            "blk.": "Q5_0",
+            "output.": "Q8_0",
+            "token_embd": "Q4_K",
+        },
+        ("scaled8", "scaled8", "scaled8", "rebuilt", "scaled8"),
+    ),
+    # The other types: K-quant parts, 4-bit beside 8-bit layers, F16 and BF16 (all
+    # rebuilt), and a Q5_1 LM head (8-bit with offsets: no 8-bit argmax).
+    "the_rest": (
+        {
+            "blk.0.attn_q": "Q2_K",
+            "blk.0.attn_k": "Q3_K",
+            "blk.0.attn_v": "Q5_K",
+            "blk.1.attn_q": "Q4_K",
+            "blk.0.attn_output": "Q4_0",
+            "blk.1.attn_output": "Q8_0",
+            "blk.0.ffn_gate": "F16",
+            "blk.0.ffn_up": "BF16",
+            "blk.1.ffn_gate": "Q5_K",
+            "ffn_down": "Q6_K",
+            "output.": "Q5_1",
+        },
+        ("rebuilt", "rebuilt", "rebuilt", "rebuilt", "scaled8"),
+    ),
+}
+# The K-quants' d (and dmin) for weights of a few hundredths, from random codes and scales.
+K_QUANT_SCALE = {"Q2_K": 1e-3, "Q3_K": 5e-4, "Q4_K": 1e-4, "Q5_K": 5e-5, "Q6_K": 1e-5}
+
+
+def quantiser(plan: dict[str, str], seed: int = 0) -> Callable[[str, np.ndarray], Any]:
+    """write_gguf's quantise for a plan: gguf-py quantises the types it can; K-quant
+    tensors are random valid blocks (their values are whatever those blocks hold)."""
+    import gguf
+    from test_gguf_quants import FP16_FIELDS
+
+    rng = np.random.default_rng(seed)
+
+    def quantise(name: str, array: np.ndarray) -> tuple[np.ndarray, Any] | None:
+        type_name = next((t for prefix, t in plan.items() if name.startswith(prefix)), None)
+        if type_name is None or array.ndim != 2:
+            return None
+        qtype = gguf.GGMLQuantizationType[type_name]
+        if type_name not in K_QUANT_SCALE:
+            raw = gguf.quants.quantize(array, qtype)
+            return raw, None if type_name == "F16" else qtype
+        values, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+        rows, blocks = array.shape[0], array.shape[1] // values
+        raw = rng.integers(0, 256, (rows, blocks, nbytes), dtype=np.uint8)
+        for offset in FP16_FIELDS[type_name]:
+            field = (rng.random((rows, blocks)) + 0.5) * K_QUANT_SCALE[type_name]
+            raw[:, :, offset : offset + 2] = (
+                field.astype(np.float16).view(np.uint8).reshape(rows, blocks, 2)
+            )
+        return raw.reshape(rows, blocks * nbytes), qtype
+
+    return quantise
+
+
+def quantised_llama(tmp_path: Path, plan_name: str) -> Path:
+    """A tiny random llama written as a GGUF file of the plan's tensor types."""
+    import transformers
+    from tiny_models import TINY_BASE
+
+    config = transformers.LlamaConfig(**{**TINY_BASE, **QUANT_CONFIG})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param), alpha=0.3)
+            else:
+                param.normal_(0, 0.05)
+    return write_gguf(
+        tmp_path / f"tiny-{plan_name}.gguf",
+        "llama",
+        config,
+        model.state_dict(),
+        head_dim=64,
+        quantise=quantiser(QUANT_PLANS[plan_name][0]),
+    )
+
+
+def greedy_tokens(runner: Any, config: Any, prompt: list[int], steps: int) -> list[int]:
+    """Greedy decoding: through an executor with its greedy rows (picked without their
+    logits where it can), or through a model's torch forward."""
+    from pagedinfer.service.models import DecoderModel
+
+    cache = PagedCache(config, 1, len(prompt) + steps)
+    tokens: list[int] = []
+    chunk = (0, prompt, 0)
+    for _ in range(steps):
+        greedy = None if isinstance(runner, DecoderModel) else torch.tensor([True])
+        logits, picked = cache.forward(runner, [chunk], greedy, [len(chunk[1]) - 1])
+        picked_token = -1 if picked is None else int(picked[0])
+        tokens.append(picked_token if picked_token >= 0 else int(logits[0].argmax()))
+        chunk = (0, [tokens[-1]], chunk[2] + len(chunk[1]))
+    return tokens
+
+
+@pytest.mark.parametrize("plan_name", sorted(QUANT_PLANS))
+def test_quantised_gguf_file_serves_transformers_logits_from_its_blocks(
+    plan_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The file loads, serves transformers' logits of the same file, and the CPU executor's
+    grids come from its blocks where their type is one (each equal to the model's weight),
+    with one kind per position or that position rebuilt."""
+    import transformers
+
+    from pagedinfer.kernels.cpu.executor import choose_grids, weight_grid
+
+    monkeypatch.setenv("PAGEDINFER_CACHE_DIR", str(tmp_path / "cache"))
+    path = quantised_llama(tmp_path, plan_name)
+    loaded = load_model(str(path), CPU, torch.float32, max_model_len=128)
+    model = loaded.model
+    tokens = torch.randint(3, 49152, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    (ours,) = PagedCache(loaded.config, 1, len(tokens)).step(model, [(0, tokens, 0)])
+    theirs_model = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    with torch.inference_mode():
+        theirs = theirs_model(torch.tensor([tokens])).logits[0]
+    assert (ours - theirs).abs().max().item() < 1e-4
+
+    from pagedinfer.service.gguf_quants import GRID_TYPES
+
+    params = dict(model.named_parameters())
+    for name in model.gguf_grids:
+        assert set(model.gguf_grids.types(name)) <= set(GRID_TYPES)
+        grid, source = weight_grid(params[name], name, model.gguf_grids)
+        assert "blocks" in source, name
+        assert torch.equal(grid.dense(), params[name].detach()), name
+    layers, lm_head = choose_grids(model)
+    kinds = tuple(g.kind for g in (*layers[0], lm_head))
+    assert kinds == QUANT_PLANS[plan_name][1]
+    assert all(tuple(g.kind for g in layer) == kinds[:4] for layer in layers)
+
+
+def test_quantised_gguf_file_decodes_greedily_through_the_executor_as_torch_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Q4_K_M-like file through the CPU executor (grids from its blocks, rebuilt down
+    projections): the torch forward's greedy tokens."""
+    import copy
+
+    from paged_cache import BLOCK_SIZE
+
+    from pagedinfer.kernels import cpu, torch_ops
+
+    if not torch_ops.compiled_kernels():
+        pytest.skip("the grids run on the compiled kernels")
+    monkeypatch.setenv("PAGEDINFER_CACHE_DIR", str(tmp_path / "cache"))
+    loaded = load_model(str(quantised_llama(tmp_path, "q4_k_m_like")), CPU, torch.float32)
+    reference = copy.deepcopy(loaded.model)
+    executor = cpu.prepare(loaded.model, BLOCK_SIZE)
+    assert executor is not None and executor.active and executor.mode == "grid"
+    assert executor.fused.kinds == QUANT_PLANS["q4_k_m_like"][1]
+    prompt = torch.randint(3, 49152, (21,), generator=torch.Generator().manual_seed(2)).tolist()
+    expected = greedy_tokens(reference, loaded.config, prompt, 12)
+    assert greedy_tokens(executor, loaded.config, prompt, 12) == expected
+
+
+@pytest.mark.parametrize(("type_name", "values"), [("IQ4_NL", 32), ("TQ1_0", 256)])
+def test_a_gguf_file_with_a_type_we_do_not_read_is_refused_before_converting(
+    type_name: str, values: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gguf
+    import transformers
+
+    monkeypatch.setenv("PAGEDINFER_CACHE_DIR", str(tmp_path / "cache"))
+
+    def no_conversion(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("converted a file it should have refused")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_conversion)
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(
+        num_hidden_layers=1,
+        max_position_embeddings=4096,
+        hidden_size=256,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+    )
+    qtype = gguf.GGMLQuantizationType[type_name]
+    nbytes = gguf.GGML_QUANT_SIZES[qtype][1]
+
+    def quantise(name: str, array: np.ndarray) -> tuple[np.ndarray, Any] | None:
+        if "ffn_down" not in name:
+            return None
+        raw = np.zeros((array.shape[0], array.shape[1] // values * nbytes), dtype=np.uint8)
+        return raw, qtype
+
+    state = {
+        "model.layers.0.mlp.down_proj.weight": torch.zeros(256, 256),
+        "model.layers.0.mlp.up_proj.weight": torch.zeros(256, 256),
+    }
+    path = write_gguf(tmp_path / "odd.gguf", "llama", config, state, head_dim=64, quantise=quantise)
+    with pytest.raises(
+        ValueError, match=rf"'blk.0.ffn_down.weight' has GGUF type {type_name}.*supported: F32"
+    ):
         load_model(str(path), CPU, torch.float32)
