@@ -141,8 +141,11 @@ class ModelRunner:
         if device.type == "cpu":
             from pagedinfer.kernels import cpu
 
-            background = config.compile_in_background and not cpu.compiled_before(self._kernel_set)
-            self.executor = cpu.prepare(self.model, config.block_size, background=background)
+            cached = cpu.compiled_before(self._kernel_set)
+            background = config.compile_in_background and not cached
+            self.executor = cpu.prepare(
+                self.model, config.block_size, background=background, cached=cached
+            )
             if self.executor is not None and self.executor.active:
                 cpu.record_compiled(self._kernel_set)
             elif self.executor is not None:  # recorded once compiled, served or not

@@ -174,11 +174,12 @@ class CpuExecutor:
         self.lm_head = GridGemm(lm_head, orders[4])
         self.argmax = argmax
 
-    def build_and_warm_up(self, block_size: int) -> None:
+    def build_and_warm_up(self, block_size: int, cached: bool = False) -> None:
         """Build the GEMMs, then compile (or load from numba's disk cache) every kernel
-        serving will call, by running small batches through each path on a scratch cache.
-        Marks the executor ready; an error is kept in `error` and the executor never
-        becomes ready (the model's torch forward keeps serving)."""
+        serving will call, by running small batches through each path on a scratch cache
+        (only the fused step where one serves and the kernels are `cached`). Marks the
+        executor ready; an error is kept in `error` and the executor never becomes ready
+        (the model's torch forward keeps serving)."""
         try:
             self._build()
             log.info(
@@ -191,14 +192,14 @@ class CpuExecutor:
             )
             if self.compiled:
                 with torch.inference_mode():
-                    self._run_warm_up_batches(block_size)
+                    self._run_warm_up_batches(block_size, cached)
         except Exception as exc:  # kept and reported: the torch forward serves instead
             self.error = exc
             log.exception("CPU executor: warm-up failed; the model's torch forward serves")
             return
         self._ready.set()
 
-    def _run_warm_up_batches(self, block_size: int) -> None:
+    def _run_warm_up_batches(self, block_size: int, cached: bool = False) -> None:
         config = self.config
         num_blocks = max(8, 2 * -(-16 // block_size))  # room for the steps below at any size
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
@@ -213,7 +214,7 @@ class CpuExecutor:
         # which numba compiles as a kernel variant of its own.
         prompt = min(2 * block_size + 3, num_blocks // 2 * block_size - 8)
         steps = [[(0, prompt), (1, 5)], [(0, 1), (1, 1)], [(0, 4), (1, 1)], [(0, 1)]]
-        fused_paths = (True, False) if self.fused is not None else (False,)
+        fused_paths = (False,) if self.fused is None else (True,) if cached else (True, False)
         for use_fused in fused_paths:
             lengths = [0, 0]
             for step in steps:
@@ -535,9 +536,7 @@ def weight_grid(weight: torch.Tensor, name: str, file_grids: Any) -> tuple[Any, 
     if name in file_grids:
         block = file_grids[name]
         grid = grid_gemm.from_codes(block.codes, block.d, block.m, block.low, block.high)
-        # Value equality: a zero's sign may differ (fma(d, 8, -8d) is +0 where a Q4_0's
-        # d * 0 is -0), which no sum of products can tell.
-        if grid is not None and _grid_holds(grid, weight.detach()):
+        if grid is not None and grid_gemm.holds(grid, weight.detach()):
             return grid, "(from the file's blocks)"
         log.warning(
             "CPU executor: %s: the file's blocks do not give the model's weight; "
@@ -546,32 +545,6 @@ def weight_grid(weight: torch.Tensor, name: str, file_grids: Any) -> tuple[Any, 
         )
     grid = grid_gemm.to_grid(weight)
     return grid, "" if grid is None else "(found in the fp32 values)"
-
-
-def _grid_holds(grid: Any, weight: torch.Tensor, tiles_at_once: int = 64) -> bool:
-    """Whether the grid's weights (`GridWeight.dense`, computed a few tiles at a time, in
-    cache) equal `weight` [out_features, in_features] value for value."""
-    from pagedinfer.kernels.cpu import grid_gemm
-
-    lanes, block = grid_gemm.LANES, grid_gemm.GRID_BLOCK
-    tiles, k = grid.out_features // lanes, grid.in_features
-    if tuple(weight.shape) != (tiles * lanes, k):
-        return False
-    # [tiles, blocks, 32 inputs, 16 lanes], as the grid lays its codes out
-    want = weight.numpy().reshape(tiles, lanes, k // block, block).transpose(0, 2, 3, 1)
-    for t in range(0, tiles, tiles_at_once):
-        codes = grid.codes[t : t + tiles_at_once]
-        if grid.kind == grid_gemm.AFFINE4:
-            q = np.empty((codes.shape[0], k, lanes), dtype=np.uint8)
-            q[:, 0::2], q[:, 1::2] = codes & 15, codes >> 4
-        else:
-            q = codes
-        scales = grid.scales[t : t + tiles_at_once].view(np.float16).astype(np.float32)
-        d, m = scales[:, :, 0, None, :], scales[:, :, 1, None, :]  # [tiles, blocks, 1, 16]
-        w = q.reshape(-1, k // block, block, lanes).astype(np.float32) * d + m
-        if not np.array_equal(w, want[t : t + tiles_at_once]):
-            return False
-    return True
 
 
 def find_grids(model: nn.Module) -> tuple[list[list[Any]], Any] | None:
@@ -609,7 +582,9 @@ def choose_mode(model: nn.Module) -> tuple[str, bool] | None:
     return None
 
 
-def prepare(model: nn.Module, block_size: int, background: bool = False) -> CpuExecutor | None:
+def prepare(
+    model: nn.Module, block_size: int, background: bool = False, cached: bool = False
+) -> CpuExecutor | None:
     """The executor for `model` on this CPU, or None where the model's own torch forward
     must serve it: a feature the executor lacks, weights off the CPU, or no faster GEMMs
     for its dtype here.
@@ -617,7 +592,9 @@ def prepare(model: nn.Module, block_size: int, background: bool = False) -> CpuE
     Compiles the kernels serving will call (numba's disk cache makes this fast after the
     first start) before returning, or with background=True in a thread while the caller
     keeps serving on the torch forward: `ready` then turns true, and the caller calls
-    `activate` between steps.
+    `activate` between steps. cached: the kernels are known to be in the disk cache
+    (`compile_record`); then only the fused step is warmed up, and the layer-by-layer
+    path (steps past the fused step's size) loads its kernels on first use.
     """
     missing = unsupported_features(model.config)
     if missing:
@@ -632,12 +609,12 @@ def prepare(model: nn.Module, block_size: int, background: bool = False) -> CpuE
     if background:
         threading.Thread(
             target=executor.build_and_warm_up,
-            args=(block_size,),
+            args=(block_size, cached),
             name=WARM_UP_THREAD,
             daemon=True,
         ).start()
     else:
-        executor.build_and_warm_up(block_size)
+        executor.build_and_warm_up(block_size, cached)
         if executor.ready:
             executor.activate()
     return executor

@@ -169,6 +169,40 @@ def to_grid(weight: torch.Tensor) -> GridWeight | None:
     return None
 
 
+def holds(grid: GridWeight, weight: torch.Tensor) -> bool:
+    """Whether the grid gives back `weight` (fp32 [out_features, in_features]) value for
+    value: fp32(d * q) + m, as the kernels rebuild it. A zero of either sign matches a
+    zero (fma(d, 8, -8d) is +0 where a Q4_0's d * 0 is -0, which no sum can tell)."""
+    if grid.kind not in (AFFINE4, SCALED8) or weight.dtype != torch.float32:
+        return False
+    if tuple(weight.shape) != (grid.out_features, grid.in_features):
+        return False
+    scales = grid.scales.view(np.float16).astype(np.float32)  # [tiles, blocks, 2, 16]
+    codes = grid.codes.view(np.uint8) if grid.kind == AFFINE4 else grid.codes
+    return bool(_holds(weight.detach().contiguous().numpy(), codes, scales))
+
+
+@jit(nogil=True, error_model="numpy")
+def _holds(w: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> bool:
+    """`holds` over the arrays: codes uint8 [tiles, K / 2, 16] (4-bit pairs) or int8
+    [tiles, K, 16]; scales fp32 [tiles, K / GRID_BLOCK, 2, 16] (d, m)."""
+    tiles, k = scales.shape[0], w.shape[1]
+    paired = codes.shape[1] * 2 == k
+    for t in range(tiles):
+        for i in range(k):
+            b = i // GRID_BLOCK
+            for j in range(LANES):
+                if paired:
+                    byte = codes[t, i // 2, j]
+                    q = np.float32(byte & 15 if i % 2 == 0 else byte >> 4)
+                else:
+                    q = np.float32(codes[t, i, j])
+                value = np.float32(scales[t, b, 0, j] * q) + scales[t, b, 1, j]
+                if value != w[t * LANES + j, i]:
+                    return False
+    return True
+
+
 def from_codes(
     codes: np.ndarray, d: np.ndarray, m: np.ndarray, low: int, high: int
 ) -> GridWeight | None:
