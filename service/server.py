@@ -40,6 +40,8 @@ if TYPE_CHECKING:  # grpc and the engine are imported in `run`, keeping `--help`
     from pagedinfer.service.sampling_params import SamplingParams
 
 log = logging.getLogger("pagedinfer.server")
+# The thread that builds the engine (and, with a compile record, its CPU kernels).
+ENGINE_LOAD_THREAD = "engine-load"
 
 SERVICE_NAME = "pagedinfer.v1.Inference"
 AUTH_TOKEN_ENV = "PAGEDINFER_AUTH_TOKEN"
@@ -139,19 +141,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _exit_past_a_running_compile(code: int) -> None:
-    """Exit now, skipping interpreter shutdown, if the CPU kernels are still compiling in
-    the background: LLVM aborts when its state is torn down under a compile. Everything
-    the server owns has been closed by then; only logs need flushing."""
-    if "pagedinfer.kernels.cpu.executor" not in sys.modules:
-        return
-    from pagedinfer.kernels.cpu import executor
+    """Exit now, skipping interpreter shutdown, while the model still loads or the CPU
+    kernels still compile in the background: LLVM aborts when its state is torn down
+    under a compile. Everything the server owns has been closed by then; only logs need
+    flushing."""
+    if any(t.name == ENGINE_LOAD_THREAD and t.is_alive() for t in threading.enumerate()):
+        log.info("exiting while the model still loads")
+    elif "pagedinfer.kernels.cpu.executor" in sys.modules:
+        from pagedinfer.kernels.cpu import executor
 
-    if executor.warm_up_running():
+        if not executor.warm_up_running():
+            return
         log.info("exiting while the CPU kernels still compile in the background")
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    else:
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # ------------------------------------------------------------------------ logging
@@ -409,24 +416,24 @@ def bearer_token_interceptor(token: str) -> Any:
 # ------------------------------------------------------------------------ serving
 
 
-async def _load_engine(config: EngineConfig) -> AsyncLLMEngine:
-    """Builds the engine in a daemon thread, so that a SIGTERM during a long load can
-    exit without waiting for it."""
-    from pagedinfer.service.async_engine import AsyncLLMEngine
-
+def _start_engine_load(config: EngineConfig) -> asyncio.Future[AsyncLLMEngine]:
+    """Starts building the engine in a daemon thread, so that the model loads while the
+    server sets itself up, and a SIGTERM during a long load can exit without waiting."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[AsyncLLMEngine] = loop.create_future()
 
     def load() -> None:
         try:
+            from pagedinfer.service.async_engine import AsyncLLMEngine
+
             engine = AsyncLLMEngine(config)
         except BaseException as exc:
             loop.call_soon_threadsafe(_set_exception, future, exc)
         else:
             loop.call_soon_threadsafe(_set_result, future, engine)
 
-    threading.Thread(target=load, name="engine-load", daemon=True).start()
-    return await future
+    threading.Thread(target=load, name=ENGINE_LOAD_THREAD, daemon=True).start()
+    return future
 
 
 async def _drain_http(http: Any, state: Any, grace_period: float) -> None:
@@ -452,6 +459,7 @@ def _set_exception(future: asyncio.Future, exc: BaseException) -> None:
 
 async def serve(config: EngineConfig, options: ServerOptions) -> int:
     """Runs the server until SIGTERM or SIGINT; returns the process exit code."""
+    load = _start_engine_load(config)  # first: the model loads while the server sets up
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
@@ -519,7 +527,6 @@ async def serve(config: EngineConfig, options: ServerOptions) -> int:
     engine: AsyncLLMEngine | None = None
     exit_code = 0
     try:
-        load = asyncio.ensure_future(_load_engine(config))
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait({load, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if not load.done():

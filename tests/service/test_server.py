@@ -538,3 +538,43 @@ def test_a_server_stopped_while_its_kernels_still_compile_exits_cleanly(
         code = stop_server(server)
     assert code == 0, server.log_tail()
     assert "still compile in the background" in server.log_tail()
+
+
+def _serve_args(port: int, http_port: int) -> list[str]:
+    return [sys.executable, "-m", "pagedinfer.service.cli", "serve", "--host", "127.0.0.1",
+            "--port", str(port), "--metrics-port", "-1", "--http-port", str(http_port),
+            "--kv-cache-memory", KV_CACHE]  # fmt: skip
+
+
+def test_a_taken_port_exits_at_once_though_the_model_has_begun_loading(tmp_path: Path) -> None:
+    """The model starts loading before the listeners bind: a port in use must still end
+    the process with status 1 and the reason, not wait for (or abort under) the load."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        http_port = taken.getsockname()[1]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        done = subprocess.run(_serve_args(free_port(), http_port), env=env, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "cannot start the server" in done.stderr
+
+
+def test_a_server_stopped_while_its_model_loads_exits_cleanly(tmp_path: Path) -> None:
+    """SIGTERM as soon as the listeners are up, seconds before the model is loaded: the
+    load thread (torch imports, perhaps numba loading kernels) must not stall or abort
+    the exit."""
+    log = tmp_path / "server.log"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    with open(log, "w") as out:
+        process = subprocess.Popen(_serve_args(free_port(), free_port()), env=env, stdout=out,
+                                   stderr=subprocess.STDOUT)  # fmt: skip
+        deadline = time.monotonic() + 120
+        while "listening; loading the model" not in log.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.02)
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(120)
+    text = log.read_text()
+    assert code == 0, text[-2000:]
+    assert "stopped while loading the model" in text, text[-2000:]
