@@ -148,6 +148,7 @@ class ModelRunner:
             )
             if self.executor is not None and self.executor.active:
                 cpu.record_compiled(self._kernel_set)
+                log.info("CPU executor: kernels ready, serving every step from the first")
             elif self.executor is not None:  # recorded once compiled, served or not
                 threading.Thread(
                     target=_record_when_ready,
