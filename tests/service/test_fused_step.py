@@ -120,6 +120,17 @@ def prefilled(executor: CpuExecutor, lengths: list[int], room: int = 16) -> Page
     return cache
 
 
+def assert_fused_matches_layered(
+    executor: CpuExecutor, base: PagedCache, chunks: list[tuple[int, list[int], int]]
+) -> None:
+    """The chunks from copies of `base`: the fused step and the layer-by-layer path give
+    the same logits and the same KV cache, bit for bit."""
+    fused_cache, layered_cache = base.copy(), base.copy()
+    fused = run(fused_cache, executor, chunks, fused=True)
+    assert torch.equal(fused, run(layered_cache, executor, chunks, fused=False))
+    assert fused_cache.equals(layered_cache)
+
+
 def test_a_model_on_grids_gets_the_fused_step(executor: CpuExecutor) -> None:
     assert executor.fused.kinds == ("affine4",) * 4 + ("scaled8",)
     assert executor.compiled
@@ -190,11 +201,7 @@ def test_the_fused_step_gives_the_layered_logits_and_cache(
             (s, torch.randint(0, 512, (n,), generator=gen).tolist(), lengths[s])
             for s, n in enumerate(new_tokens)
         ]
-        fused_cache, layered_cache = base.copy(), base.copy()
-        fused = run(fused_cache, executor, chunks, fused=True)
-        layered = run(layered_cache, executor, chunks, fused=False)
-        assert torch.equal(fused, layered)
-        assert fused_cache.equals(layered_cache)
+        assert_fused_matches_layered(executor, base, chunks)
     finally:
         torch.set_num_threads(previous)
 
@@ -369,12 +376,7 @@ def test_weights_off_every_grid_get_the_fused_step_from_their_fp32_tiles() -> No
     assert executor.argmax is None
     base = prefilled(executor, [20, 33])
     chunks = [(0, [5], 20), (1, [1, 2, 3, 4, 5], 33)]
-    fused_cache, layered_cache = base.copy(), base.copy()
-    assert torch.equal(
-        run(fused_cache, executor, chunks, fused=True),
-        run(layered_cache, executor, chunks, fused=False),
-    )
-    assert fused_cache.equals(layered_cache)
+    assert_fused_matches_layered(executor, base, chunks)
 
 
 def test_weights_with_biases_get_no_fused_step() -> None:
@@ -411,12 +413,7 @@ def test_the_default_model_takes_the_fused_step_with_the_same_logits(
     assert (executor.argmax is not None) == greedy_argmax.fast()
     base = prefilled(executor, [37, 120])
     chunks = [(0, [1000], 37), (1, [5, 6, 7, 8, 9], 120)]
-    fused_cache, layered_cache = base.copy(), base.copy()
-    assert torch.equal(
-        run(fused_cache, executor, chunks, fused=True),
-        run(layered_cache, executor, chunks, fused=False),
-    )
-    assert fused_cache.equals(layered_cache)
+    assert_fused_matches_layered(executor, base, chunks)
 
 
 def test_the_caches_views_are_kept_while_the_caches_stay_and_made_anew_when_one_changes() -> None:

@@ -119,6 +119,22 @@ def llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:
     return pairs.swapaxes(1, 2).reshape(rows.shape)
 
 
+def header_config(hidden_size: int, intermediate_size: int) -> Any:
+    """The config fields `write_gguf` writes, for a one-layer file whose tensors a test
+    writes itself (or none)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        num_hidden_layers=1,
+        max_position_embeddings=4096,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+    )
+
+
 # Each architecture as transformers' GGUF conversion reads it back: no partial rotary or
 # LongRoPE for Phi-3, Qwen3's head_dim of 128, Gemma 3's query_pre_attn_scalar of 256
 # and its default layer pattern (both layers local here).
@@ -180,18 +196,8 @@ def test_gguf_files_whose_conversion_loses_a_feature_are_refused(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from types import SimpleNamespace
-
     monkeypatch.setenv("PAGEDINFER_CACHE_DIR", str(tmp_path / "cache"))
-    config = SimpleNamespace(
-        num_hidden_layers=1,
-        max_position_embeddings=4096,
-        hidden_size=64,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-6,
-    )
+    config = header_config(hidden_size=64, intermediate_size=96)
     path = write_gguf(
         tmp_path / f"{arch}.gguf", arch, config, {}, head_dim=head_dim, extra=extra, tokenizer=False
     )
@@ -418,17 +424,7 @@ def test_a_gguf_file_with_a_type_we_do_not_read_is_refused_before_converting(
         raise AssertionError("converted a file it should have refused")
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_conversion)
-    from types import SimpleNamespace
-
-    config = SimpleNamespace(
-        num_hidden_layers=1,
-        max_position_embeddings=4096,
-        hidden_size=256,
-        intermediate_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-6,
-    )
+    config = header_config(hidden_size=256, intermediate_size=256)
     qtype = gguf.GGMLQuantizationType[type_name]
     nbytes = gguf.GGML_QUANT_SIZES[qtype][1]
 
