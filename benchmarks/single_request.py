@@ -12,7 +12,9 @@ end-to-end rate all output tokens over the whole request, prompt included. llama
 Pairs (`--pairs`): `embedded` (the embedded model against its Q4_1 file); each file
 `peers/make_gguf_files.sh` makes (Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0), served by both from
 the file itself; `noisy` (an ordinary fp32 checkpoint, `peers/noisy_checkpoint.py`,
-against llama.cpp's F32 copy). `--model` and `--gguf` name one pair of your own instead.
+against llama.cpp's F32 copy) and `noisy-bf16` (that checkpoint stored in bf16, as most
+are published, against the BF16 copy). `--model` and `--gguf` name one pair of your own
+instead.
 
     python benchmarks/single_request.py --json > benchmarks/results/single_request_MACHINE.json
     python benchmarks/single_request.py --pairs embedded,noisy --profile embedded
@@ -53,7 +55,7 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_GGUF_DIR = HERE / "peers" / ".gguf"
 # The files make_gguf_files.sh makes, each served by both engines.
 MADE_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0")
-PAIRS = ("embedded", *MADE_TYPES, "noisy")
+PAIRS = ("embedded", *MADE_TYPES, "noisy", "noisy-bf16")
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ def default_pairs(gguf_dir: Path, stem: str) -> dict[str, Pair]:
         path = gguf_dir / f"{stem}.{kind}.gguf"
         pairs[kind] = Pair(kind, str(path), path)
     pairs["noisy"] = Pair("noisy", "noisy", gguf_dir / f"{stem}.F32.gguf")
+    pairs["noisy-bf16"] = Pair("noisy-bf16", "noisy-bf16", gguf_dir / f"{stem}.BF16.gguf")
     return pairs
 
 

@@ -437,7 +437,8 @@ def resolve_model(model: str) -> tuple[str | None, Path, Path | None]:
     """`--model` as (pagedinfer's EngineConfig.model, a Hugging Face directory, a GGUF file).
 
     "embedded" is the default model (the GGUF file and its converted directory), "noisy"
-    its weights on no grid (`peers/noisy_checkpoint.py`), anything else a local Hugging
+    its weights on no grid (`peers/noisy_checkpoint.py`), "noisy-bf16" those weights
+    stored in bf16 (as most checkpoints are published), anything else a local Hugging
     Face directory or .gguf file. The GGUF file is None where the model has none, and
     llama.cpp is then skipped.
     """
@@ -449,10 +450,10 @@ def resolve_model(model: str) -> tuple[str | None, Path, Path | None]:
 
     if model == "embedded":
         return None, ensure_default_model(), default_gguf_path()
-    if model == "noisy":
+    if model in ("noisy", "noisy-bf16"):
         from peers.noisy_checkpoint import ensure_noisy_model
 
-        path = ensure_noisy_model()
+        path = ensure_noisy_model(dtype=torch.bfloat16 if model == "noisy-bf16" else None)
         return str(path), path, None
     path = Path(model).resolve()
     if path.is_file() and path.suffix == ".gguf":
@@ -460,7 +461,8 @@ def resolve_model(model: str) -> tuple[str | None, Path, Path | None]:
     if (path / "config.json").is_file():
         return str(path), path, None
     raise ValueError(
-        f"--model {model!r}: not 'embedded', 'noisy', a .gguf file or a directory with config.json"
+        f"--model {model!r}: not 'embedded', 'noisy', 'noisy-bf16', a .gguf file or a "
+        "directory with config.json"
     )
 
 
@@ -487,7 +489,7 @@ def run_peer(
             return {"system": name, "skipped": reason}
         job = run_vllm.VllmJob(
             model=hf_dir,
-            dtype=args.dtype,
+            dtype=args.peer_dtype or args.dtype,
             threads=args.threads,
             kv_cache_bytes=args.kv_cache_memory,
             max_model_len=args.max_model_len,
@@ -496,7 +498,7 @@ def run_peer(
         )
         out = run_vllm.run_vllm(job, work, warmup, args.vllm_venv)
         extra = {
-            "dtype": args.dtype,
+            "dtype": job.dtype,
             "vllm_version": out["vllm_version"],
             "vllm_torch": out["torch_version"],
             "startup_seconds": out["startup_seconds"],
@@ -665,8 +667,9 @@ def main(argv: list[str] | None = None) -> int:
         "--model",
         default="embedded",
         help="embedded (the default model, weights on its GGUF file's Q4_1 grid), noisy "
-        "(those weights times 1 + 1e-3 noise: an ordinary checkpoint on no grid), or a "
-        "local Hugging Face directory or .gguf file; every system serves it",
+        "(those weights times 1 + 1e-3 noise: an ordinary checkpoint on no grid), "
+        "noisy-bf16 (those stored in bf16), or a local Hugging Face directory or .gguf "
+        "file; every system serves it",
     )
     ap.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV)
     ap.add_argument("--llamacpp-dir", type=Path, default=DEFAULT_LLAMACPP_DIR)
@@ -692,6 +695,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=["float32", "bfloat16"],
         default="float32",
         help="weights and activations of every system; MFU is against this dtype's matmul rate",
+    )
+    ap.add_argument(
+        "--peer-dtype",
+        choices=["float32", "bfloat16"],
+        help="vLLM's dtype where it differs (a bf16 checkpoint: pagedinfer computes in fp32 "
+        "from its bf16 weights, vLLM in bf16); default --dtype",
     )
     ap.add_argument(
         "--plot", type=Path, default=Path(__file__).parent / "results" / "throughput.png"

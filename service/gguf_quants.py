@@ -1,12 +1,14 @@
-"""GGUF tensor types: their block layouts, exact dequantisation, and per-32 grids.
+"""GGUF tensor types: their block layouts, exact dequantisation, and their grids.
 
 Each type we read (`FORMATS`) is a run of fixed-size blocks per row; `dequantize` gives
 the fp32 values llama.cpp's `dequantize_row_*` gives, with the same fp32 operations in the
 same order (for Q6_K, `d * scale` first and then times the code). A file holding any other
 type is refused (`check_tensor_types`) rather than served through a path nobody checked.
 
-Five types are, exactly, `fp32(d * q) + m` per run of 32 inputs with fp16 d and m
-(`block_grid`): Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0. Backends that compute from such grids
+Every quantised type is, exactly, `fp32(d * q) + m` over runs of inputs (`block_grid`):
+Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 per run of 32 with fp16 d and m; the K-quants (Q2_K to
+Q6_K) per run of 16 with fp32 d and m, each the product of the super-block's fp16 scale
+and a run's small integer scale (exact in fp32). Backends that compute from such grids
 take them from here instead of rediscovering them in the fp32 values.
 """
 
@@ -17,7 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-GRID_BLOCK = 32  # inputs per block of the 32-wide types, and per scale of a `BlockGrid`
+GRID_BLOCK = 32  # inputs per block of the 32-wide types, and per fp16 scale of a grid
+FINE_BLOCK = 16  # inputs per fp32 scale of a K-quant's grid (their smallest runs)
 SUPER_BLOCK = 256  # inputs per block of the K-quants
 
 
@@ -33,12 +36,13 @@ class BlockFormat:
 
 @dataclass(frozen=True)
 class BlockGrid:
-    """Rows of weights that are exactly fp32(d * q) + m in each run of 32 inputs: integer
-    codes q in low..high, fp16 scales d and offsets m per run."""
+    """Rows of weights that are exactly fp32(d * q) + m in each run of `group` inputs:
+    integer codes q in low..high, scales d and offsets m per run: fp16 per run of 32
+    (the 32-wide types) or fp32 per run of 16 (the K-quants, and any mix of types)."""
 
     codes: np.ndarray  # int8 [rows, in_features]
-    d: np.ndarray  # fp16 [rows, in_features / 32]
-    m: np.ndarray  # fp16 [rows, in_features / 32]
+    d: np.ndarray  # fp16 or fp32 [rows, in_features / group]
+    m: np.ndarray  # as d
     low: int
     high: int
 
@@ -46,17 +50,33 @@ class BlockGrid:
     def rows(self) -> int:
         return self.codes.shape[0]
 
+    @property
+    def group(self) -> int:
+        return self.codes.shape[1] // self.d.shape[1]
+
     def dense(self) -> np.ndarray:
         """The fp32 weights, as the dequantisation computes them."""
-        d = np.repeat(self.d.astype(np.float32), GRID_BLOCK, axis=1)
-        m = np.repeat(self.m.astype(np.float32), GRID_BLOCK, axis=1)
+        d = np.repeat(self.d.astype(np.float32), self.group, axis=1)
+        m = np.repeat(self.m.astype(np.float32), self.group, axis=1)
         return self.codes.astype(np.float32) * d + m
+
+    def fine(self) -> BlockGrid:
+        """The same weights with fp32 scales per run of FINE_BLOCK inputs (exact: each run
+        of 32 repeats its fp16 scale and offset, which fp32 holds)."""
+        if self.d.dtype == np.float32 and self.group == FINE_BLOCK:
+            return self
+        times = self.group // FINE_BLOCK
+        d = np.repeat(self.d.astype(np.float32), times, axis=1)
+        m = np.repeat(self.m.astype(np.float32), times, axis=1)
+        return BlockGrid(self.codes, d, m, self.low, self.high)
 
 
 def concatenate(grids: Iterable[BlockGrid]) -> BlockGrid:
     """Grids stacked along their rows (a fused weight from its parts): the codes' range
-    is the union of theirs."""
+    is the union of theirs; parts with different runs or scale types all become fine."""
     grids = list(grids)
+    if len({(g.group, g.d.dtype) for g in grids}) > 1:
+        grids = [g.fine() for g in grids]
     return BlockGrid(
         codes=np.concatenate([g.codes for g in grids]),
         d=np.concatenate([g.d for g in grids]),
@@ -109,7 +129,6 @@ def _q8_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
 
 # type -> (codes int16 [blocks, 32], d bytes [blocks, 2], m bytes [blocks, 2] or None)
 _SCALED_PARTS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0}
-GRID_TYPES = tuple(_SCALED_PARTS)  # the types `block_grid` takes
 
 
 def _scaled_decoder(name: str) -> Callable[[np.ndarray], np.ndarray]:
@@ -139,16 +158,20 @@ def _by_chunks(low: np.ndarray, high: np.ndarray) -> np.ndarray:
     return np.stack((low, high), axis=2).reshape(low.shape[0], 8, 32)
 
 
-def _decode_q4_k(raw: np.ndarray) -> np.ndarray:
+# Each K-quant's parts: codes int16 [blocks, 256], and fp32 d and m (None: no offset)
+# [blocks, 16], one per run of FINE_BLOCK values, so that a value is fp32(d * q) + m.
+KParts = tuple[np.ndarray, np.ndarray, np.ndarray | None]
+
+
+def _q4_k(raw: np.ndarray) -> KParts:
     d, dmin = _f16(raw[:, 0:2]), _f16(raw[:, 2:4])
     sc, mn = _k4_scales(raw[:, 4:16])
     qs = raw[:, 16:144].reshape(-1, 4, 32)
-    q = _by_chunks(qs & 15, qs >> 4).astype(np.float32)
-    d1, m1 = d * sc, dmin * mn  # [blocks, 8]
-    return (d1[:, :, None] * q - m1[:, :, None]).reshape(-1, SUPER_BLOCK)
+    q = _by_chunks(qs & 15, qs >> 4).astype(np.int16).reshape(-1, SUPER_BLOCK)
+    return q, np.repeat(d * sc, 2, axis=1), np.repeat(-(dmin * mn), 2, axis=1)
 
 
-def _decode_q5_k(raw: np.ndarray) -> np.ndarray:
+def _q5_k(raw: np.ndarray) -> KParts:
     d, dmin = _f16(raw[:, 0:2]), _f16(raw[:, 2:4])
     sc, mn = _k4_scales(raw[:, 4:16])
     qh = raw[:, 16:48]  # [blocks, 32]: bit 2c of byte l is value l of chunk c's low half
@@ -156,38 +179,35 @@ def _decode_q5_k(raw: np.ndarray) -> np.ndarray:
     chunk = np.arange(4, dtype=np.uint8)[None, :, None]
     low = (qs & 15) + (((qh[:, None, :] >> (2 * chunk)) & 1) << 4)
     high = (qs >> 4) + (((qh[:, None, :] >> (2 * chunk + 1)) & 1) << 4)
-    q = _by_chunks(low, high).astype(np.float32)
-    d1, m1 = d * sc, dmin * mn
-    return (d1[:, :, None] * q - m1[:, :, None]).reshape(-1, SUPER_BLOCK)
+    q = _by_chunks(low, high).astype(np.int16).reshape(-1, SUPER_BLOCK)
+    return q, np.repeat(d * sc, 2, axis=1), np.repeat(-(dmin * mn), 2, axis=1)
 
 
-def _decode_q6_k(raw: np.ndarray) -> np.ndarray:
+def _q6_k(raw: np.ndarray) -> KParts:
     ql = raw[:, 0:128].reshape(-1, 2, 64)
     qh = raw[:, 128:192].reshape(-1, 2, 1, 32)
-    sc = raw[:, 192:208].view(np.int8).astype(np.float32).reshape(-1, 2, 8)
-    d = _f16(raw[:, 208:210])[:, :, None]
+    sc = raw[:, 192:208].view(np.int8).astype(np.float32)  # [blocks, 16]
+    d = _f16(raw[:, 208:210])
     # Per half of 128 values: four runs of 32, from ql's low nibbles (bytes 0..31, then
     # 32..63), then its high nibbles; each run's 2 high bits from qh at shifts 0, 2, 4, 6.
     low4 = np.concatenate((ql[:, :, None, 0:32], ql[:, :, None, 32:64]), axis=2)
     low4 = np.concatenate((low4 & 15, low4 >> 4), axis=2)  # [blocks, 2, 4, 32]
     shifts = (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]
-    q = (low4 | (((qh >> shifts) & 3) << 4)).astype(np.int8) - np.int8(32)
-    scale = np.repeat(d * sc, 16, axis=2).reshape(-1, 2, 4, 32)  # d * sc, then times q
-    return (scale * q.astype(np.float32)).reshape(-1, SUPER_BLOCK)
+    q = (low4 | (((qh >> shifts) & 3) << 4)).astype(np.int16) - 32
+    return q.reshape(-1, SUPER_BLOCK), d * sc, None  # d * sc, then times q
 
 
-def _decode_q2_k(raw: np.ndarray) -> np.ndarray:
-    scales = raw[:, 0:16].reshape(-1, 2, 4, 2)  # [half, shift, run of 16]
+def _q2_k(raw: np.ndarray) -> KParts:
+    scales = raw[:, 0:16]  # [half, shift, run of 16] flattened
     qs = raw[:, 16:80].reshape(-1, 2, 1, 2, 16)
     d, dmin = _f16(raw[:, 80:82]), _f16(raw[:, 82:84])
     shifts = (2 * np.arange(4, dtype=np.uint8))[None, None, :, None, None]
-    q = ((qs >> shifts) & 3).astype(np.float32)  # [blocks, half, shift, 2, 16]
-    dl = d[:, :, None, None] * (scales & 15).astype(np.float32)
-    ml = dmin[:, :, None, None] * (scales >> 4).astype(np.float32)
-    return (dl[..., None] * q - ml[..., None]).reshape(-1, SUPER_BLOCK)
+    q = ((qs >> shifts) & 3).astype(np.int16).reshape(-1, SUPER_BLOCK)
+    dl = d * (scales & 15).astype(np.float32)
+    return q, dl, -(dmin * (scales >> 4).astype(np.float32))
 
 
-def _decode_q3_k(raw: np.ndarray) -> np.ndarray:
+def _q3_k(raw: np.ndarray) -> KParts:
     hmask = raw[:, 0:32].reshape(-1, 1, 1, 2, 16)
     qs = raw[:, 32:96].reshape(-1, 2, 1, 2, 16)
     s = raw[:, 96:108]
@@ -205,9 +225,32 @@ def _decode_q3_k(raw: np.ndarray) -> np.ndarray:
     dl = d * (six.astype(np.float32) - 32)  # [blocks, 16]: 8 per half, 2 per shift
     shifts = (2 * np.arange(4, dtype=np.uint8))[None, None, :, None, None]
     bit = np.arange(8, dtype=np.uint8).reshape(1, 2, 4, 1, 1)  # hmask bit 4 * half + shift
-    lows = ((qs >> shifts) & 3).astype(np.int8)
-    q = lows - np.where((hmask >> bit) & 1, np.int8(0), np.int8(4))
-    return (dl.reshape(-1, 2, 4, 2, 1) * q.astype(np.float32)).reshape(-1, SUPER_BLOCK)
+    lows = ((qs >> shifts) & 3).astype(np.int16)
+    q = lows - np.where((hmask >> bit) & 1, np.int16(0), np.int16(4))
+    return q.reshape(-1, SUPER_BLOCK), dl, None
+
+
+_K_PARTS: dict[str, Callable[[np.ndarray], KParts]] = {
+    "Q2_K": _q2_k,
+    "Q3_K": _q3_k,
+    "Q4_K": _q4_k,
+    "Q5_K": _q5_k,
+    "Q6_K": _q6_k,
+}
+# Each K-quant's code range (the grid's low..high).
+_K_RANGES = {"Q2_K": (0, 3), "Q3_K": (-4, 3), "Q4_K": (0, 15), "Q5_K": (0, 31), "Q6_K": (-32, 31)}
+
+
+def _k_decoder(name: str) -> Callable[[np.ndarray], np.ndarray]:
+    parts = _K_PARTS[name]
+
+    def decode(raw: np.ndarray) -> np.ndarray:
+        q, d, m = parts(raw)
+        runs = q.astype(np.float32).reshape(-1, SUPER_BLOCK // FINE_BLOCK, FINE_BLOCK)
+        y = d[:, :, None] * runs  # llama.cpp: d * q, then - min where there is one
+        return (y if m is None else y + m[:, :, None]).reshape(-1, SUPER_BLOCK)
+
+    return decode
 
 
 def _decode_f32(raw: np.ndarray) -> np.ndarray:
@@ -233,14 +276,15 @@ FORMATS: dict[str, BlockFormat] = {
         BlockFormat("Q5_0", 32, 22, _scaled_decoder("Q5_0")),
         BlockFormat("Q5_1", 32, 24, _scaled_decoder("Q5_1")),
         BlockFormat("Q8_0", 32, 34, _scaled_decoder("Q8_0")),
-        BlockFormat("Q2_K", 256, 84, _decode_q2_k),
-        BlockFormat("Q3_K", 256, 110, _decode_q3_k),
-        BlockFormat("Q4_K", 256, 144, _decode_q4_k),
-        BlockFormat("Q5_K", 256, 176, _decode_q5_k),
-        BlockFormat("Q6_K", 256, 210, _decode_q6_k),
+        BlockFormat("Q2_K", 256, 84, _k_decoder("Q2_K")),
+        BlockFormat("Q3_K", 256, 110, _k_decoder("Q3_K")),
+        BlockFormat("Q4_K", 256, 144, _k_decoder("Q4_K")),
+        BlockFormat("Q5_K", 256, 176, _k_decoder("Q5_K")),
+        BlockFormat("Q6_K", 256, 210, _k_decoder("Q6_K")),
     )
 }
 SUPPORTED_TYPES = tuple(FORMATS)
+GRID_TYPES = (*_SCALED_PARTS, *_K_PARTS)  # the types `block_grid` takes
 
 
 def check_tensor_types(tensors: Iterable[tuple[str, str]], source: object) -> None:
@@ -273,14 +317,20 @@ def dequantize(raw: np.ndarray, type_name: str) -> np.ndarray:
 
 def block_grid(raw: np.ndarray, type_name: str) -> BlockGrid | None:
     """Rows of raw blocks (uint8 [rows, row bytes]) as their `BlockGrid`, for the types
-    that are one (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0); None for the others.
+    that are one (GRID_TYPES); None for the others.
 
     Q4_0 (d * (q - 8)) keeps its codes 0..15 with m = -8d, which fp32(d * q) + m gives
     exactly (d * (q - 8) is exact in fp32), unless -8d overflows fp16: then codes -8..7."""
+    rows = raw.shape[0]
+    if type_name in _K_PARTS:
+        q, d, m = _K_PARTS[type_name](_blocks(raw, FORMATS[type_name]))
+        d = d.reshape(rows, -1)
+        m = np.zeros_like(d) if m is None else m.reshape(rows, -1)
+        low, high = _K_RANGES[type_name]
+        return BlockGrid(q.astype(np.int8).reshape(rows, -1), d, m, low, high)
     if type_name not in _SCALED_PARTS:
         return None
     fmt = FORMATS[type_name]
-    rows = raw.shape[0]
     q, d_raw, m_raw = _SCALED_PARTS[type_name](_blocks(raw, fmt))
     d = d_raw.copy().view(np.float16).reshape(rows, -1)
     low, high = {"Q4_0": (-8, 7), "Q4_1": (0, 15), "Q5_0": (-16, 15), "Q5_1": (0, 31)}.get(

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GGUF files people download, made from the embedded model's own file (Q4_1 with a
 # Q8_0 embedding) with llama.cpp's llama-quantize (setup_llamacpp.sh), for
-# benchmarks/single_request.py: Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0 and an F32 copy.
+# benchmarks/single_request.py: Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0, and F32 and BF16 copies.
 #
 #   bash benchmarks/peers/make_gguf_files.sh [OUT_DIR]  # default: benchmarks/peers/.gguf
 #
@@ -24,7 +24,7 @@ stem="$(basename "$source_file" .gguf)"
 stem="${stem%.*}"  # SmolLM2-135M-Instruct.Q4_1 -> SmolLM2-135M-Instruct
 
 mkdir -p "$out"
-for type in Q4_K_M Q5_K_M Q6_K Q8_0 Q4_0 F32; do
+for type in Q4_K_M Q5_K_M Q6_K Q8_0 Q4_0 F32 BF16; do
     target="$out/$stem.$type.gguf"
     if [ -f "$target" ]; then
         echo "$(basename "$target") is there" >&2

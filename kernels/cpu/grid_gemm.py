@@ -20,6 +20,11 @@ Layouts: 16 output columns form a tile (a vector of fp32 lanes).
 - 4-bit: codes uint8 [tiles, K / 2, 16], byte (t, p, j) = q[16t + j, 2p] + 16 q[16t + j,
   2p + 1]; scales uint16 (fp16 bits) [tiles, K / 32, 2, 16]: d then m.
 - 8-bit: codes int8 [tiles, K, 16]; scales uint16 [tiles, K / 32, 2, 16] (m is 0).
+- fine 8-bit (FINE8: a GGUF K-quant, or a weight whose parts differ in grid): codes int8
+  [tiles, K, 16]; scales fp32 [tiles, K / 16, 2, 16], d then m.
+- on no grid: fp32 as it is (REBUILT: codes fp32 [tiles, K, 16]), or, where every value
+  is a bf16 or an fp16 (a checkpoint stored in that type), its 16 bits (BF16, FP16: codes
+  uint16 [tiles, K, 16]), widened to fp32 exactly in registers; no scales.
 Kernel shapes (rows per pass, tiles at once) were chosen by measurement; the figures are
 in the benchmark results and the history.
 """
@@ -66,9 +71,17 @@ WIDE_ROWS = 3
 # The most new tokens the fused step takes (`fused_step`); larger steps run layer by layer.
 GRID_MAX_ROWS = 512
 AFFINE4, SCALED8 = "affine4", "scaled8"
+# 8-bit codes with fp32 scales and offsets per FINE_BLOCK inputs: any grid above, and the
+# K-quants' runs of 16 with scales that are products of two (exact in fp32, not in fp16).
+FINE8 = "fine8"
+FINE_BLOCK = 16
+GRIDS = (AFFINE4, SCALED8, FINE8)
 # Weights already rebuilt in fp32 (codes: fp32 [tiles, K, 16]): calls of more than MAX_ROWS
 # rows rebuild a tile group once into scratch and run every row over it.
 REBUILT = "rebuilt"
+# fp32 weights that are all bf16 (or fp16) values, kept in those 16 bits.
+BF16, FP16 = "bf16", "fp16"
+DENSE = (REBUILT, BF16, FP16)  # the kinds of weights on no quantisation grid
 
 
 @dataclass(frozen=True)
@@ -101,9 +114,17 @@ class GridWeight:
         the kernels never build it)."""
         tiles = self.out_features // LANES if tiles is None else tiles
         k = self.in_features
-        scales = self.scales[:tiles].view(np.float16).astype(np.float32)
-        d = np.repeat(scales[:, :, 0, :], GRID_BLOCK, axis=1)  # [tiles, K, 16]
-        m = np.repeat(scales[:, :, 1, :], GRID_BLOCK, axis=1)
+        if self.kind in DENSE:
+            codes = self.codes[:tiles]
+            if self.kind == BF16:
+                codes = (codes.astype(np.uint32) << 16).view(np.float32)
+            elif self.kind == FP16:
+                codes = codes.view(np.float16).astype(np.float32)
+            w = np.ascontiguousarray(codes.transpose(0, 2, 1))
+            return torch.from_numpy(w).reshape(tiles * LANES, k)
+        scales = _fp32_scales(self.scales[:tiles])
+        d = np.repeat(scales[:, :, 0, :], block_of(self.kind), axis=1)  # [tiles, K, 16]
+        m = np.repeat(scales[:, :, 1, :], block_of(self.kind), axis=1)
         if self.kind == AFFINE4:
             q = np.empty((tiles, k, LANES), dtype=np.float32)
             q[:, 0::2] = self.codes[:tiles] & 15
@@ -116,14 +137,56 @@ class GridWeight:
         )
 
 
+def block_of(kind: str) -> int:
+    """Inputs per scale of a grid of `kind`."""
+    return FINE_BLOCK if kind == FINE8 else GRID_BLOCK
+
+
+def _fp32_scales(scales: np.ndarray) -> np.ndarray:
+    """A grid's scales (fp16 bits, or fp32 for FINE8) as fp32."""
+    return scales if scales.dtype == np.float32 else scales.view(np.float16).astype(np.float32)
+
+
 def shape_supported(out_features: int, in_features: int) -> bool:
     return out_features % (LANES * TILE_GROUP) == 0 and in_features % GRID_BLOCK == 0
 
 
-def rebuilt(weight: torch.Tensor) -> GridWeight | None:
+def fine(grid: GridWeight) -> GridWeight:
+    """A 4-bit or 8-bit grid as FINE8, holding the same weights (each fp16 scale and
+    offset repeated for both runs of 16 of its block, in fp32): so that a GEMM position
+    whose layers come on different grids runs one kind."""
+    if grid.kind == FINE8:
+        return grid
+    if grid.kind not in (AFFINE4, SCALED8):
+        raise ValueError(f"fine: {grid.kind} weights are on no grid")
+    codes = grid.codes
+    if grid.kind == AFFINE4:
+        tiles, half, lanes = codes.shape
+        unpacked = np.empty((tiles, half * 2, lanes), dtype=np.int8)
+        unpacked[:, 0::2] = (codes & 15).view(np.int8)
+        unpacked[:, 1::2] = (codes >> 4).view(np.int8)
+        codes = unpacked
+    scales = np.repeat(_fp32_scales(grid.scales), GRID_BLOCK // FINE_BLOCK, axis=1)
+    return GridWeight(FINE8, grid.out_features, grid.in_features, codes, scales)
+
+
+def one_kind(grids: list[GridWeight]) -> list[GridWeight] | None:
+    """Grids of one GEMM position (one per layer) as grids of one kind: as they are where
+    they share one, all FINE8 where they are on different grids; None where one is not on
+    a grid (its position then runs from fp32 tiles)."""
+    kinds = {g.kind for g in grids}
+    if len(kinds) == 1:
+        return grids
+    if not kinds <= set(GRIDS):
+        return None
+    return [fine(g) for g in grids]
+
+
+def rebuilt(weight: torch.Tensor, kind: str = REBUILT) -> GridWeight | None:
     """Any fp32 weight [out_features, in_features] in the kernels' tile layout, as already
-    rebuilt weights (REBUILT: codes fp32 [tiles, K, 16], zero scales, which no kernel
-    reads for it), so that a checkpoint on no grid runs the same GEMMs and fused step;
+    rebuilt weights (REBUILT: codes fp32 [tiles, K, 16]) or, with kind BF16 or FP16, as the
+    16 bits of a weight whose every value is one (`narrowest`); its scales are zeros,
+    which no kernel reads. So a checkpoint on no grid runs the same GEMMs and fused step.
     None where the shape does not tile."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
         return None
@@ -131,9 +194,28 @@ def rebuilt(weight: torch.Tensor) -> GridWeight | None:
     if not shape_supported(n, k):
         return None
     tiles = n // LANES
-    codes = weight.detach().reshape(tiles, LANES, k).transpose(1, 2).contiguous().numpy()
-    scales = np.zeros((tiles, k // GRID_BLOCK, 2, LANES), dtype=np.uint16)
-    return GridWeight(REBUILT, n, k, codes, scales)
+    values = weight.detach()
+    if kind == BF16:
+        values = (values.view(torch.int32) >> 16).to(torch.int16)
+    elif kind == FP16:
+        values = values.to(torch.float16).view(torch.int16)
+    codes = values.reshape(tiles, LANES, k).transpose(1, 2).contiguous().numpy()
+    codes = codes if kind == REBUILT else codes.view(np.uint16)
+    scales = np.zeros((tiles, 1, 2, LANES), dtype=np.uint16)
+    return GridWeight(kind, n, k, codes, scales)
+
+
+def narrowest(weight: torch.Tensor) -> str:
+    """The narrowest kind on no grid that holds every value of an fp32 weight exactly:
+    BF16 where each value's low 16 bits are zero, FP16 where each is an fp16 (all finite),
+    else REBUILT."""
+    bits = weight.detach().contiguous().view(torch.int32)
+    if not bool((bits & 0xFFFF).any()):
+        return BF16
+    values = weight.detach()
+    if bool(torch.isfinite(values).all()) and torch.equal(values.half().float(), values):
+        return FP16
+    return REBUILT
 
 
 def to_grid(weight: torch.Tensor) -> GridWeight | None:
@@ -173,11 +255,11 @@ def holds(grid: GridWeight, weight: torch.Tensor) -> bool:
     """Whether the grid gives back `weight` (fp32 [out_features, in_features]) value for
     value: fp32(d * q) + m, as the kernels rebuild it. A zero of either sign matches a
     zero (fma(d, 8, -8d) is +0 where a Q4_0's d * 0 is -0, which no sum can tell)."""
-    if grid.kind not in (AFFINE4, SCALED8) or weight.dtype != torch.float32:
+    if grid.kind not in GRIDS or weight.dtype != torch.float32:
         return False
     if tuple(weight.shape) != (grid.out_features, grid.in_features):
         return False
-    scales = grid.scales.view(np.float16).astype(np.float32)  # [tiles, blocks, 2, 16]
+    scales = _fp32_scales(grid.scales)  # [tiles, blocks, 2, 16]
     codes = grid.codes.view(np.uint8) if grid.kind == AFFINE4 else grid.codes
     return bool(_holds(weight.detach().contiguous().numpy(), codes, scales))
 
@@ -185,12 +267,13 @@ def holds(grid: GridWeight, weight: torch.Tensor) -> bool:
 @jit(nogil=True, error_model="numpy")
 def _holds(w: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> bool:
     """`holds` over the arrays: codes uint8 [tiles, K / 2, 16] (4-bit pairs) or int8
-    [tiles, K, 16]; scales fp32 [tiles, K / GRID_BLOCK, 2, 16] (d, m)."""
+    [tiles, K, 16]; scales fp32 [tiles, K / block, 2, 16] (d, m)."""
     tiles, k = scales.shape[0], w.shape[1]
     paired = codes.shape[1] * 2 == k
+    block = k // scales.shape[1]
     for t in range(tiles):
         for i in range(k):
-            b = i // GRID_BLOCK
+            b = i // block
             for j in range(LANES):
                 if paired:
                     byte = codes[t, i // 2, j]
@@ -206,15 +289,29 @@ def _holds(w: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> bool:
 def from_codes(
     codes: np.ndarray, d: np.ndarray, m: np.ndarray, low: int, high: int
 ) -> GridWeight | None:
-    """The grid of a weight known to be fp32(d * q) + m in each block of GRID_BLOCK inputs
-    (a GGUF file's blocks): codes int8 [out_features, in_features] in low..high, fp16 d
-    and m [out_features, in_features / GRID_BLOCK]; AFFINE4 where the codes fit 0..15,
-    else SCALED8 (its kernels add m too); None where the shape does not tile."""
+    """The grid of a weight known to be fp32(d * q) + m in each run of inputs (a GGUF
+    file's blocks): codes int8 [out_features, in_features] in low..high; d and m
+    [out_features, runs], fp16 per GRID_BLOCK inputs (AFFINE4 where the codes fit 0..15,
+    else SCALED8, whose kernels add m too) or fp32 per FINE_BLOCK (FINE8); None where
+    the shape does not tile."""
     n, k = codes.shape
-    if not shape_supported(n, k) or d.shape != (n, k // GRID_BLOCK) or m.shape != d.shape:
+    if not shape_supported(n, k) or m.shape != d.shape:
         return None
     tiles = n // LANES
     tiled = codes.reshape(tiles, LANES, k).transpose(0, 2, 1)  # [tiles, K, 16]
+    if d.dtype == np.float32:
+        if d.shape != (n, k // FINE_BLOCK) or m.dtype != np.float32 or low < -128 or high > 127:
+            return None
+        scales = np.stack((d, m), axis=1).reshape(tiles, LANES, 2, k // FINE_BLOCK)
+        return GridWeight(
+            FINE8,
+            n,
+            k,
+            np.ascontiguousarray(tiled, dtype=np.int8),
+            np.ascontiguousarray(scales.transpose(0, 3, 2, 1)),
+        )
+    if d.shape != (n, k // GRID_BLOCK):
+        return None
     if low >= 0 and high <= 15:
         kind, q = AFFINE4, tiled.view(np.uint8)
         packed = np.ascontiguousarray(q[:, 0::2] | (q[:, 1::2] << np.uint8(4)))
@@ -302,7 +399,8 @@ def _fp16_neighbours(x: np.ndarray) -> tuple[np.ndarray, ...]:
 @intrinsic
 def _block_scales(typingctx: Any, dm: Any, scales: Any, sat: Any) -> Any:
     """A block's scales as `_dequant` takes them: dm[0] = d and dm[1] = m, fp32, from the
-    2 x 16 fp16 values scales[sat:]."""
+    2 x 16 values scales[sat:] (fp16 bits, or fp32 as they are)."""
+    wide = scales.dtype == types.float32
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         f32 = ir.VectorType(ir.FloatType(), LANES)
@@ -310,11 +408,16 @@ def _block_scales(typingctx: Any, dm: Any, scales: Any, sat: Any) -> Any:
         out = context.make_array(signature.args[0])(context, builder, args[0]).data
         for i in range(2):
             at = builder.add(args[2], ir.Constant(args[2].type, i * LANES))
-            pointer = builder.bitcast(
-                builder.gep(data, [at]), ir.VectorType(ir.IntType(16), LANES).as_pointer()
-            )
-            raw = builder.load(pointer, align=2)
-            value = builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), LANES)), f32)
+            if wide:
+                pointer = builder.bitcast(builder.gep(data, [at]), f32.as_pointer())
+                value = builder.load(pointer, align=4)
+            else:
+                pointer = builder.bitcast(
+                    builder.gep(data, [at]), ir.VectorType(ir.IntType(16), LANES).as_pointer()
+                )
+                raw = builder.load(pointer, align=2)
+                half = builder.bitcast(raw, ir.VectorType(ir.HalfType(), LANES))
+                value = builder.fpext(half, f32)
             target = builder.gep(out, [ir.Constant(ir.IntType(64), i * LANES)])
             builder.store(value, builder.bitcast(target, f32.as_pointer()), align=4)
         return context.get_dummy_value()
@@ -329,11 +432,12 @@ def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, dm: Any) ->
     fp16 times a code of at most 8 bits, so one fused multiply-add gives the same bits):
     4-bit: w[0] and w[1] from the 16 bytes codes[at:] (inputs 2p and 2p + 1); 8-bit: w[0]
     from codes[at:]; d, m: dm[0] and dm[1] (`_block_scales`). Rebuilt: w[0] is the 16 fp32
-    values codes[at:], as they are (dm unused)."""
+    values codes[at:], as they are; BF16 and FP16: their 16 values widened (dm unused)."""
     if not isinstance(kind, types.StringLiteral):
         return None
     affine = kind.literal_value == AFFINE4
     rebuilt = kind.literal_value == REBUILT
+    narrow = kind.literal_value if kind.literal_value in (BF16, FP16) else None
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         f32 = ir.VectorType(ir.FloatType(), LANES)
@@ -347,6 +451,17 @@ def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, dm: Any) ->
         out = context.make_array(signature.args[0])(context, builder, args[0])
         if rebuilt:
             value = builder.load(vector_at(2, args[3], ir.FloatType()), align=4)
+            builder.store(value, builder.bitcast(out.data, f32.as_pointer()), align=4)
+            return context.get_dummy_value()
+        if narrow is not None:
+            raw = builder.load(vector_at(2, args[3], ir.IntType(16)), align=2)
+            if narrow == BF16:  # a bf16 is the high half of its fp32
+                wide = builder.shl(builder.zext(raw, i32), ir.Constant(i32, [16] * LANES))
+                value = builder.bitcast(wide, f32)
+            else:
+                value = builder.fpext(
+                    builder.bitcast(raw, ir.VectorType(ir.HalfType(), LANES)), f32
+                )
             builder.store(value, builder.bitcast(out.data, f32.as_pointer()), align=4)
             return context.get_dummy_value()
         zero = ir.Constant(ir.IntType(64), 0)
@@ -403,8 +518,9 @@ def gemm_kernel(
     written: each worker takes the SiLU of its own tiles while they are in registers."""
     k, parts = in_features, len(ends)
     tb, steps = group_tiles or tiles_per_group(rows), 2 if kind == AFFINE4 else 1
-    scaled = kind != REBUILT  # rebuilt weights need no scales
-    blocks = k // GRID_BLOCK
+    scaled = kind not in DENSE  # weights on no grid have no scales
+    block = block_of(kind)
+    blocks = k // block
     code_row = k // steps * LANES  # codes of one tile
     half = tb // 2  # with silu: the group's gate tiles, then as many of up
     values = half * rows * LANES  # with silu: the group's outputs
@@ -444,10 +560,10 @@ def gemm_kernel(
                     for r in range(rows):
                         lanes_copy(acc[b, r], 0.0, LANES)
                 for i in range(start, end, steps):
-                    if scaled and (i % GRID_BLOCK == 0 or i == start):
+                    if scaled and (i % block == 0 or i == start):
                         for b in range(tb):
                             tile = tile_of(group, b, tiles)
-                            sat = (tile * blocks + i // GRID_BLOCK) * 2 * LANES
+                            sat = (tile * blocks + i // block) * 2 * LANES
                             _block_scales(dm[b], scales, sat)
                     for b in range(tb):
                         at = tile_of(group, b, tiles) * code_row + i // steps * LANES
@@ -500,7 +616,9 @@ def gemm_all_rows(
     silu: out [M, out_features / 32, 16] gets silu(gate) * up of the product of a [gate |
     up] weight, as `gemm_kernel` gives it."""
     k, steps = in_features, 2 if kind == AFFINE4 else 1
-    blocks = k // GRID_BLOCK
+    block = block_of(kind)
+    blocks = k // block
+    scaled = kind not in DENSE
     one_pass = _by_rows(kind, k, ends, fused, silu)
     over_scratch = _by_rows(REBUILT, k, ends, fused, silu, SCRATCH_ROWS, TILE_GROUP)
     half = TILE_GROUP // 2  # with silu: a group's gate tiles, then as many of up
@@ -537,9 +655,10 @@ def gemm_all_rows(
                 t = t0 + b
                 if silu:
                     t = _paired_tile(group, b, half, tiles)
-                for i0 in range(0, k, GRID_BLOCK):
-                    _block_scales(dm, scales, (t * blocks + i0 // GRID_BLOCK) * 2 * LANES)
-                    for i in range(i0, i0 + GRID_BLOCK, steps):
+                for i0 in range(0, k, block):
+                    if scaled:
+                        _block_scales(dm, scales, (t * blocks + i0 // block) * 2 * LANES)
+                    for i in range(i0, i0 + block, steps):
                         _dequant(w[b, i:], kind, codes, (t * k + i) * LANES // steps, dm)
             first = group * half if silu else t0
             for r0 in range(first_row, m, row_step):

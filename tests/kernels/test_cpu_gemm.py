@@ -39,6 +39,27 @@ def scaled8_weight(out_features: int, in_features: int, seed: int = 0) -> torch.
     return torch.from_numpy(w.reshape(out_features, in_features))
 
 
+def k_quant_blocks(
+    out_features: int, in_features: int, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A weight as a GGUF K-quant holds it: codes int8 [out, in] in -32..31 and fp32 d and
+    m per run of 16 inputs, each an fp16 times a small integer (exact in fp32, not fp16)."""
+    rng = np.random.default_rng(seed)
+    runs = (out_features, in_features // 16)
+    d16 = (rng.random(runs) * 1e-3 + 1e-5).astype(np.float16).astype(np.float32)
+    d = d16 * rng.integers(1, 64, runs).astype(np.float32)
+    m = -(d16 * rng.integers(0, 64, runs).astype(np.float32))
+    codes = rng.integers(-32, 32, (out_features, in_features)).astype(np.int8)
+    return codes, d, m
+
+
+def k_quant_weight(codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> torch.Tensor:
+    """fp32(d * q) + m per run of 16, as the dequantisation computes it."""
+    q = codes.astype(np.float32).reshape(codes.shape[0], -1, 16)
+    w = (d[:, :, None] * q).astype(np.float32) + m[:, :, None]
+    return torch.from_numpy(w.reshape(codes.shape))
+
+
 def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     """fp32(a * b + c) rounded once, as a fused multiply-add gives it (fp32 arrays).
 
@@ -174,6 +195,73 @@ def test_any_fp32_weight_in_tile_layout_carries_the_bits_of_the_fixed_order() ->
     expected = emulate(weight, x, order)
     for rows in (1, grid_gemm.WIDE_ROWS + 1, grid_gemm.MAX_ROWS, len(x)):
         assert torch.equal(grid_gemm.grid_linear(x[:rows], tiles, order), expected[:rows]), rows
+
+
+def test_a_k_quant_weight_runs_from_its_fine_grid_in_the_bits_of_the_fixed_order() -> None:
+    """Codes with fp32 scales and offsets per run of 16 (FINE8): the grid holds the weight,
+    and every call size (one pass, scratch) gives the bits of one fused chain over K."""
+    codes, d, m = k_quant_blocks(192, 512, seed=4)
+    weight = k_quant_weight(codes, d, m)
+    grid = grid_gemm.from_codes(codes, d, m, -32, 31)
+    assert grid is not None and grid.kind == grid_gemm.FINE8
+    assert grid.scales.dtype == np.float32 and grid.scales.shape == (12, 32, 2, 16)
+    assert grid_gemm.holds(grid, weight) and torch.equal(grid.dense(), weight)
+    off = weight.clone()
+    off[5, 17] = torch.nextafter(off[5, 17], torch.tensor(1.0))
+    assert not grid_gemm.holds(grid, off)
+    assert grid_gemm.from_codes(codes, d[:, ::2].copy(), m[:, ::2].copy(), -32, 31) is None
+    order = grid_gemm.fixed_order(512)
+    x = torch.randn(grid_gemm.MAX_ROWS + 13, 512, generator=torch.Generator().manual_seed(6))
+    expected = emulate(weight, x, order)
+    for rows in (1, grid_gemm.WIDE_ROWS + 1, grid_gemm.MAX_ROWS, len(x)):
+        assert torch.equal(grid_gemm.grid_linear(x[:rows], grid, order), expected[:rows]), rows
+
+
+@pytest.mark.parametrize("make", [affine4_weight, scaled8_weight])
+def test_a_grid_made_fine_gives_the_same_products(make) -> None:
+    """`fine` turns a 4-bit or 8-bit grid into FINE8 holding the same weights: the same
+    bits from every path; `one_kind` makes a position's mixed grids all fine."""
+    weight = make(256, 576, seed=8)
+    grid = grid_gemm.to_grid(weight)
+    fine = grid_gemm.fine(grid)
+    assert fine.kind == grid_gemm.FINE8 and torch.equal(fine.dense(), weight)
+    assert grid_gemm.holds(fine, weight)
+    order = grid_gemm.fixed_order(576)
+    x = torch.randn(grid_gemm.MAX_ROWS + 5, 576, generator=torch.Generator().manual_seed(1))
+    for rows in (2, len(x)):
+        assert torch.equal(
+            grid_gemm.grid_linear(x[:rows], fine, order),
+            grid_gemm.grid_linear(x[:rows], grid, order),
+        )
+    other = grid_gemm.to_grid(
+        scaled8_weight(256, 576) if make is affine4_weight else affine4_weight(256, 576)
+    )
+    assert grid_gemm.one_kind([grid, grid]) == [grid, grid]
+    assert [g.kind for g in grid_gemm.one_kind([grid, other])] == [grid_gemm.FINE8] * 2
+    assert grid_gemm.one_kind([grid, grid_gemm.rebuilt(weight)]) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_checkpoints_weight_runs_from_its_16_bits(dtype) -> None:
+    """An fp32 weight whose every value is a bf16 (fp16) is held in those 16 bits and runs
+    the bits of the fp32 tiles in every call size; one value off that type keeps fp32."""
+    generator = torch.Generator().manual_seed(12)
+    weight = (torch.randn(192, 256, generator=generator) * 0.05).to(dtype).float()
+    kind = grid_gemm.narrowest(weight)
+    assert kind == (grid_gemm.BF16 if dtype == torch.bfloat16 else grid_gemm.FP16)
+    narrow, full = grid_gemm.rebuilt(weight, kind), grid_gemm.rebuilt(weight)
+    assert narrow.codes.dtype == np.uint16 and narrow.nbytes < full.nbytes / 1.9
+    assert torch.equal(narrow.dense(), weight)
+    order = grid_gemm.fixed_order(256)
+    x = torch.randn(grid_gemm.MAX_ROWS + 13, 256, generator=generator)
+    for rows in (1, grid_gemm.WIDE_ROWS + 1, grid_gemm.MAX_ROWS, len(x)):
+        assert torch.equal(
+            grid_gemm.grid_linear(x[:rows], narrow, order),
+            grid_gemm.grid_linear(x[:rows], full, order),
+        ), rows
+    off = weight.clone()
+    off[7, 3] = torch.nextafter(off[7, 3], torch.tensor(1.0))
+    assert grid_gemm.narrowest(off) == grid_gemm.REBUILT
 
 
 def test_other_orders_give_other_bits() -> None:

@@ -218,6 +218,22 @@ def test_noisy_weights_leave_the_grid_by_the_asked_scale():
     assert not torch.equal(noisy_weights(weights, 1e-3, seed=1)["w"], noisy["w"])
 
 
+def test_a_bf16_noisy_checkpoint_stores_bf16_weights_and_says_so(tmp_path):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "config.json").write_text('{"model_type": "llama", "torch_dtype": "float32"}')
+    save_file({"w": torch.full((8, 8), 0.3), "ids": torch.arange(4)}, source / "m.safetensors")
+    target = make_noisy_checkpoint(source, tmp_path / "out", 1e-3, 0, torch.bfloat16)
+    weights = load_file(target / "m.safetensors")
+    assert weights["w"].dtype == torch.bfloat16 and weights["ids"].dtype == torch.int64
+    assert weights["w"].unique().numel() > 1
+    assert json.loads((target / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
 def test_noisy_checkpoint_is_an_ordinary_hf_directory(tmp_path):
     from safetensors.torch import load_file, save_file
 

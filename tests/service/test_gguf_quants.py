@@ -1,6 +1,6 @@
 """GGUF tensor types: our dequantisation gives gguf-py's values bit for bit on random valid
-blocks of every type we claim; the 32-wide types' grids give the same values; any other
-type is refused by name."""
+blocks of every type we claim; every quantised type's grid gives the same values; any
+other type is refused by name."""
 
 from __future__ import annotations
 
@@ -90,10 +90,39 @@ def test_dequantisation_of_gguf_pys_quantisation(type_name: str) -> None:
 def test_grid_types_are_their_dequantisation_on_a_grid(type_name: str) -> None:
     raw = random_blocks(type_name, rows=16, blocks=4, seed=2)
     grid = gguf_quants.block_grid(raw, type_name)
-    assert grid is not None and grid.codes.shape == (16, 128) and grid.d.shape == (16, 4)
+    values = 4 * gguf_quants.FORMATS[type_name].values
+    k_quant = type_name.endswith("_K")
+    runs, scale_type = (values // 16, np.float32) if k_quant else (values // 32, np.float16)
+    assert grid is not None and grid.codes.shape == (16, values)
+    assert grid.d.shape == grid.m.shape == (16, runs) and grid.d.dtype == scale_type
     assert grid.low <= grid.codes.min() and grid.codes.max() <= grid.high
     # Values equal (a zero's sign aside: d * (q - 8) at q = 8 is -0.0 for a negative d).
     np.testing.assert_array_equal(grid.dense(), gguf_quants.dequantize(raw, type_name))
+    # As fp32(d * q) + m with one rounding, as the kernels rebuild it.
+    d = np.repeat(grid.d.astype(np.float32), grid.group, axis=1)
+    m = np.repeat(grid.m.astype(np.float32), grid.group, axis=1)
+    exact = grid.codes.astype(np.float64) * d.astype(np.float64)
+    assert (exact.astype(np.float32) == exact).all()
+    np.testing.assert_array_equal(
+        (exact + m).astype(np.float32), gguf_quants.dequantize(raw, type_name)
+    )
+    # The fine form (fp32 per run of 16) holds the same weights.
+    np.testing.assert_array_equal(grid.fine().dense(), grid.dense())
+    assert grid.fine().group == 16 and grid.fine().d.dtype == np.float32
+
+
+def test_parts_of_different_types_concatenate_as_fine_grids() -> None:
+    """A fused weight whose parts are Q5_0 (fp16 per 32) and Q6_K (fp32 per 16)."""
+    parts = [("Q5_0", 8), ("Q6_K", 1)]  # 256 values a row each
+    raws = [random_blocks(name, rows=16, blocks=blocks, seed=5) for name, blocks in parts]
+    grids = [gguf_quants.block_grid(raw, name) for raw, (name, _) in zip(raws, parts, strict=True)]
+    whole = gguf_quants.concatenate(grids)
+    assert whole.group == 16 and whole.d.dtype == np.float32
+    assert (whole.low, whole.high) == (-32, 31)
+    expected = np.concatenate(
+        [gguf_quants.dequantize(r, n) for r, (n, _) in zip(raws, parts, strict=True)]
+    )
+    np.testing.assert_array_equal(whole.dense(), expected)
 
 
 def test_grid_ranges_per_type() -> None:
@@ -108,8 +137,13 @@ def test_grid_ranges_per_type() -> None:
         "Q5_0": (-16, 15),
         "Q5_1": (0, 31),
         "Q8_0": (-128, 127),
+        "Q2_K": (0, 3),
+        "Q3_K": (-4, 3),
+        "Q4_K": (0, 15),
+        "Q5_K": (0, 31),
+        "Q6_K": (-32, 31),
     }
-    assert gguf_quants.block_grid(random_blocks("Q6_K", 2, 1), "Q6_K") is None
+    assert gguf_quants.block_grid(random_blocks("F16", 2, 64), "F16") is None
 
 
 def test_q4_0_whose_offset_overflows_fp16_keeps_signed_codes() -> None:

@@ -1,5 +1,5 @@
 """The CPU executor's grids, one GEMM position at a time: a position whose weights all lie
-on grids of one kind runs from them, any other from its fp32 tiles (rebuilt), and the
+on grids runs from them (made one kind), any other from its fp32 tiles (rebuilt), and the
 fused step and the layered path agree bit for bit on such a mix; grids a GGUF file's
 blocks give are taken where they equal the model's weights, and checked, never trusted."""
 
@@ -38,7 +38,7 @@ def five_bit_grid(out_features: int, in_features: int, rng: np.random.Generator)
 
 def test_each_position_takes_one_kind_or_its_fp32_tiles() -> None:
     """q/k/v on 4-bit grids, o on 8-bit ones, gate/up on none, down mixing 4 and 8 bits
-    across layers: (affine4, scaled8, rebuilt, rebuilt) and the 8-bit LM head; the fused
+    across layers: (affine4, scaled8, rebuilt, fine8) and the 8-bit LM head; the fused
     step gives the layered logits and cache bit for bit, close to the torch forward's."""
     model = grid_model(seed=2)
     rng = np.random.default_rng(7)
@@ -52,7 +52,7 @@ def test_each_position_takes_one_kind_or_its_fp32_tiles() -> None:
     reference = copy.deepcopy(model)
     executor = cpu.prepare(model, BLOCK_SIZE)
     assert executor is not None and executor.mode == "grid"
-    kinds = (grid_gemm.AFFINE4, grid_gemm.SCALED8, grid_gemm.REBUILT, grid_gemm.REBUILT)
+    kinds = (grid_gemm.AFFINE4, grid_gemm.SCALED8, grid_gemm.REBUILT, grid_gemm.FINE8)
     assert executor.fused.kinds == (*kinds, grid_gemm.SCALED8)
     base = prefilled(executor, [20, 33])
     chunks = [(0, [5], 20), (1, [1, 2, 3, 4, 5], 33)]

@@ -243,7 +243,7 @@ QUANT_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
         ("affine4", "scaled8", "scaled8", "scaled8", "scaled8"),
     ),
     # As llama-quantize's Q4_K_M mixes them: q/k/v of Q5_0 and Q8_0 parts, down Q6_K in
-    # one layer and Q4_K in the other (no grid: rebuilt), K-quant embeddings.
+    # one layer and Q4_K in the other (both fine 8-bit grids), K-quant embeddings.
     "q4_k_m_like": (
         {
             "blk.0.attn_v": "Q8_0",
@@ -254,10 +254,11 @@ QUANT_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
             "output.": "Q8_0",
             "token_embd": "Q4_K",
         },
-        ("scaled8", "scaled8", "scaled8", "rebuilt", "scaled8"),
+        ("scaled8", "scaled8", "scaled8", "fine8", "scaled8"),
     ),
-    # The other types: K-quant parts, 4-bit beside 8-bit layers, F16 and BF16 (all
-    # rebuilt), and a Q5_1 LM head (8-bit with offsets: no 8-bit argmax).
+    # The other types: K-quant parts beside an fp32 layer (rebuilt), Q4_0 beside Q8_0
+    # layers and Q6_K (fine), F16 and BF16 (rebuilt), and a Q5_1 LM head (8-bit with
+    # offsets: no 8-bit argmax).
     "the_rest": (
         {
             "blk.0.attn_q": "Q2_K",
@@ -269,10 +270,11 @@ QUANT_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
             "blk.0.ffn_gate": "F16",
             "blk.0.ffn_up": "BF16",
             "blk.1.ffn_gate": "Q5_K",
-            "ffn_down": "Q6_K",
+            "blk.0.ffn_down": "Q6_K",
+            "blk.1.ffn_down": "Q6_K",
             "output.": "Q5_1",
         },
-        ("rebuilt", "rebuilt", "rebuilt", "rebuilt", "scaled8"),
+        ("rebuilt", "fine8", "rebuilt", "fine8", "scaled8"),
     ),
 }
 # The K-quants' d (and dmin) for weights of a few hundredths, from random codes and scales.
@@ -390,8 +392,8 @@ def test_quantised_gguf_file_serves_transformers_logits_from_its_blocks(
 def test_quantised_gguf_file_decodes_greedily_through_the_executor_as_torch_does(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The Q4_K_M-like file through the CPU executor (grids from its blocks, rebuilt down
-    projections): the torch forward's greedy tokens."""
+    """The Q4_K_M-like file through the CPU executor (grids from its blocks, the down
+    projections' Q6_K and Q4_K on fine grids): the torch forward's greedy tokens."""
     import copy
 
     from paged_cache import BLOCK_SIZE
