@@ -136,3 +136,43 @@ def test_blocks_that_do_not_give_the_weight_are_not_used(
         grid_gemm.AFFINE4,
         grid_gemm.AFFINE4,
     ]
+
+
+def test_a_bf16_checkpoint_served_in_fp32_runs_from_its_16_bits() -> None:
+    """Weights that are all bf16 values (a checkpoint published in bf16, loaded in fp32)
+    are held in their 16 bits at every position, half the fp32 tiles' bytes; the fused
+    step gives the layered logits and cache bit for bit, close to the torch forward's.
+    One layer's weight off bf16 keeps that whole position in fp32 tiles."""
+    model = grid_model(seed=5)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for layer in model.layers:
+            for linear in layer.linears():
+                linear.weight.normal_(0, 0.05, generator=generator)
+                linear.weight.copy_(linear.weight.bfloat16().float())
+        model.embed_tokens.weight.normal_(0, 0.05, generator=generator)
+        model.embed_tokens.weight.copy_(model.embed_tokens.weight.bfloat16().float())
+    mixed = copy.deepcopy(model)
+    with torch.no_grad():
+        down = mixed.layers[1].linears()[3].weight
+        down[0, 0] = torch.nextafter(down[0, 0], torch.tensor(1.0))
+    layers, _ = choose_grids(mixed)
+    assert [g.kind for g in layers[0]] == [grid_gemm.BF16] * 3 + [grid_gemm.REBUILT]
+    reference = copy.deepcopy(model)
+    executor = cpu.prepare(model, BLOCK_SIZE)
+    assert executor is not None and executor.mode == "rebuilt"
+    assert executor.fused.kinds == (grid_gemm.BF16,) * 5
+    assert all(codes.dtype == np.uint16 for codes in executor.fused.codes)
+    base = prefilled(executor, [20, 33])
+    chunks = [(0, [5], 20), (1, [1, 2, 3, 4, 5], 33)]
+    fused_cache, layered_cache = base.copy(), base.copy()
+    fused = run(fused_cache, executor, chunks, fused=True)
+    assert torch.equal(fused, run(layered_cache, executor, chunks, fused=False))
+    assert fused_cache.equals(layered_cache)
+    prompt = [(0, list(range(3, 30)), 0)]
+    torch.testing.assert_close(
+        PagedCache(reference.config, 1, 40, seed=3).step(executor, prompt)[0],
+        PagedCache(reference.config, 1, 40, seed=3).step(reference, prompt)[0],
+        rtol=1e-4,
+        atol=1e-4,
+    )
