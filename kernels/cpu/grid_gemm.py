@@ -4,7 +4,10 @@ A model that comes as a GGUF file (the embedded SmolLM2 is Q4_1, its embeddings 
 fp32 weights that are all grid points: in each run of 32 inputs of an output row,
 w = fp16(d) * q + fp16(m) with q in 0..15 (4-bit, affine) or w = fp16(d) * q with q in
 -127..127 (8-bit). `to_grid` finds that grid and keeps it in 5 (4-bit) or 9 (8-bit) bits
-a weight instead of 32.
+a weight instead of 32. A GGUF K-quant's weight is d * q + m per run of 16 inputs with
+fp32 d and m; `from_codes` keeps the file's blocks as such (FINE8, 12 bits a weight).
+Weights on no grid run the same kernels from fp32 tiles (REBUILT), or from their 16 bits
+where every value is a bf16 or an fp16 (BF16, FP16).
 
 Why it pays: a decode step of a few tokens reads every weight once and does little with
 it, so its GEMMs cost what reading the weights costs. `gemm` rebuilds each weight in
