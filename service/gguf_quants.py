@@ -6,9 +6,9 @@ same order (for Q6_K, `d * scale` first and then times the code). A file holding
 type is refused (`check_tensor_types`) rather than served through a path nobody checked.
 
 Every quantised type is, exactly, `fp32(d * q) + m` over runs of inputs (`block_grid`):
-Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 per run of 32 with fp16 d and m; the K-quants (Q2_K to
-Q6_K) per run of 16 with fp32 d and m, each the product of the super-block's fp16 scale
-and a run's small integer scale (exact in fp32). Backends that compute from such grids
+Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 per run of 32 with fp16 d and m; the K-quants with fp32
+d and m, each the product of the super-block's fp16 scale and a run's small integer scale
+(exact in fp32), per run of 32 (Q4_K, Q5_K) or 16 (Q2_K, Q3_K, Q6_K). Backends that compute from such grids
 take them from here instead of rediscovering them in the fp32 values.
 """
 
@@ -38,7 +38,8 @@ class BlockFormat:
 class BlockGrid:
     """Rows of weights that are exactly fp32(d * q) + m in each run of `group` inputs:
     integer codes q in low..high, scales d and offsets m per run: fp16 per run of 32
-    (the 32-wide types) or fp32 per run of 16 (the K-quants, and any mix of types)."""
+    (the 32-wide types), fp32 per run of 32 or 16 (the K-quants; any mix of types is
+    fp32 per 16, `fine`)."""
 
     codes: np.ndarray  # int8 [rows, in_features]
     d: np.ndarray  # fp16 or fp32 [rows, in_features / group]
@@ -159,7 +160,8 @@ def _by_chunks(low: np.ndarray, high: np.ndarray) -> np.ndarray:
 
 
 # Each K-quant's parts: codes int16 [blocks, 256], and fp32 d and m (None: no offset)
-# [blocks, 16], one per run of FINE_BLOCK values, so that a value is fp32(d * q) + m.
+# [blocks, runs], one per run of 32 (Q4_K, Q5_K) or 16 values, so that a value is
+# fp32(d * q) + m.
 KParts = tuple[np.ndarray, np.ndarray, np.ndarray | None]
 
 
@@ -168,7 +170,7 @@ def _q4_k(raw: np.ndarray) -> KParts:
     sc, mn = _k4_scales(raw[:, 4:16])
     qs = raw[:, 16:144].reshape(-1, 4, 32)
     q = _by_chunks(qs & 15, qs >> 4).astype(np.int16).reshape(-1, SUPER_BLOCK)
-    return q, np.repeat(d * sc, 2, axis=1), np.repeat(-(dmin * mn), 2, axis=1)
+    return q, d * sc, -(dmin * mn)
 
 
 def _q5_k(raw: np.ndarray) -> KParts:
@@ -180,7 +182,7 @@ def _q5_k(raw: np.ndarray) -> KParts:
     low = (qs & 15) + (((qh[:, None, :] >> (2 * chunk)) & 1) << 4)
     high = (qs >> 4) + (((qh[:, None, :] >> (2 * chunk + 1)) & 1) << 4)
     q = _by_chunks(low, high).astype(np.int16).reshape(-1, SUPER_BLOCK)
-    return q, np.repeat(d * sc, 2, axis=1), np.repeat(-(dmin * mn), 2, axis=1)
+    return q, d * sc, -(dmin * mn)
 
 
 def _q6_k(raw: np.ndarray) -> KParts:
@@ -246,7 +248,7 @@ def _k_decoder(name: str) -> Callable[[np.ndarray], np.ndarray]:
 
     def decode(raw: np.ndarray) -> np.ndarray:
         q, d, m = parts(raw)
-        runs = q.astype(np.float32).reshape(-1, SUPER_BLOCK // FINE_BLOCK, FINE_BLOCK)
+        runs = q.astype(np.float32).reshape(-1, d.shape[1], SUPER_BLOCK // d.shape[1])
         y = d[:, :, None] * runs  # llama.cpp: d * q, then - min where there is one
         return (y if m is None else y + m[:, :, None]).reshape(-1, SUPER_BLOCK)
 
@@ -320,7 +322,8 @@ def block_grid(raw: np.ndarray, type_name: str) -> BlockGrid | None:
     that are one (GRID_TYPES); None for the others.
 
     Q4_0 (d * (q - 8)) keeps its codes 0..15 with m = -8d, which fp32(d * q) + m gives
-    exactly (d * (q - 8) is exact in fp32), unless -8d overflows fp16: then codes -8..7."""
+    exactly (d * (q - 8) is exact in fp32), unless -8d overflows fp16: then codes -8..7;
+    Q5_0 likewise its codes 0..31 with m = -16d."""
     rows = raw.shape[0]
     if type_name in _K_PARTS:
         q, d, m = _K_PARTS[type_name](_blocks(raw, FORMATS[type_name]))
@@ -340,9 +343,10 @@ def block_grid(raw: np.ndarray, type_name: str) -> BlockGrid | None:
         m = m_raw.copy().view(np.float16).reshape(rows, -1)
     else:
         m = np.zeros_like(d)
-        if type_name == "Q4_0":
+        half = {"Q4_0": 8, "Q5_0": 16}.get(type_name)
+        if half is not None:
             with np.errstate(over="ignore"):
-                offset = (d.astype(np.float32) * -8).astype(np.float16)
+                offset = (d.astype(np.float32) * -half).astype(np.float16)
             if np.isfinite(offset)[np.isfinite(d)].all():
-                q, m, low, high = q + 8, offset, 0, 15
+                q, m, low, high = q + half, offset, 0, 2 * half - 1
     return BlockGrid(q.astype(np.int8).reshape(rows, -1), d, m, low, high)

@@ -11,6 +11,8 @@
 #   embedded fp32: paged, paged_spec, vllm, llamacpp  (the GGUF file's Q4_1 weights)
 #   noisy fp32:    paged, vllm                        (an ordinary checkpoint, on no grid)
 #   noisy bf16:    paged, vllm                        (only where the CPU has native bf16)
+#   noisy-bf16:    paged in fp32, vllm in bf16        (a checkpoint published in bf16, each
+#                                                      engine's default dtype for it there)
 # Extra options go to every run (e.g. --repeats 2, --threads 2). About 40 minutes on
 # 2 cores; run it on an otherwise idle machine.
 set -euo pipefail
@@ -43,6 +45,7 @@ for workload in chat mixed; do
     run "$workload" noisy float32 paged,vllm "$@"
     if [ -n "$bf16" ]; then
         run "$workload" noisy bfloat16 paged,vllm "$@"
+        run "$workload" noisy-bf16 float32 paged,vllm --peer-dtype bfloat16 "$@"
     fi
 done
 echo "results in $results/throughput_peers_${tag}_*.json" >&2

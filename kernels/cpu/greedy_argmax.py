@@ -94,8 +94,8 @@ class ArgmaxWeights:
     @classmethod
     def of(cls, grid: grid_gemm.GridWeight, order: grid_gemm.SumOrder) -> ArgmaxWeights | None:
         """From the LM head's grid and the order its logits are summed in; None for a grid
-        that is not 8-bit."""
-        if grid.kind != grid_gemm.SCALED8:
+        that is not 8-bit with fp16 scales."""
+        if grid.kind != grid_gemm.SCALED8 or grid.scales.dtype != np.uint16:
             return None
         tiles, k = grid.out_features // LANES, grid.in_features
         q = grid.codes  # int8 [tiles, K, 16]

@@ -4,8 +4,9 @@ A model that comes as a GGUF file (the embedded SmolLM2 is Q4_1, its embeddings 
 fp32 weights that are all grid points: in each run of 32 inputs of an output row,
 w = fp16(d) * q + fp16(m) with q in 0..15 (4-bit, affine) or w = fp16(d) * q with q in
 -127..127 (8-bit). `to_grid` finds that grid and keeps it in 5 (4-bit) or 9 (8-bit) bits
-a weight instead of 32. A GGUF K-quant's weight is d * q + m per run of 16 inputs with
-fp32 d and m; `from_codes` keeps the file's blocks as such (FINE8, 12 bits a weight).
+a weight instead of 32. A GGUF K-quant's weight is d * q + m with fp32 d and m, per run
+of 32 inputs (Q4_K, Q5_K: the 4-bit or 8-bit grid with fp32 scales) or 16 (the others:
+FINE8, 12 bits a weight); `from_codes` keeps the file's blocks as those grids.
 Weights on no grid run the same kernels from fp32 tiles (REBUILT), or from their 16 bits
 where every value is a bf16 or an fp16 (BF16, FP16).
 
@@ -23,6 +24,10 @@ Layouts: 16 output columns form a tile (a vector of fp32 lanes).
 - 4-bit: codes uint8 [tiles, K / 2, 16], byte (t, p, j) = q[16t + j, 2p] + 16 q[16t + j,
   2p + 1]; scales uint16 (fp16 bits) [tiles, K / 32, 2, 16]: d then m.
 - 8-bit: codes int8 [tiles, K, 16]; scales uint16 [tiles, K / 32, 2, 16] (m is 0).
+- 5-bit (AFFINE5: GGUF Q5_0, Q5_1, Q5_K): codes uint8 [tiles, K / 2, 20], for inputs 2p
+  and 2p + 1: 16 bytes of low nibbles as in the 4-bit layout, then a little-endian uint32
+  whose bit j (16 + j) is bit 4 of input 2p's (2p + 1's) code in lane j; scales as 4-bit.
+- any of those with fp32 scales [tiles, K / 32, 2, 16] (a GGUF Q4_K or Q5_K).
 - fine 8-bit (FINE8: a GGUF K-quant, or a weight whose parts differ in grid): codes int8
   [tiles, K, 16]; scales fp32 [tiles, K / 16, 2, 16], d then m.
 - on no grid: fp32 as it is (REBUILT: codes fp32 [tiles, K, 16]), or, where every value
@@ -74,11 +79,14 @@ WIDE_ROWS = 3
 # The most new tokens the fused step takes (`fused_step`); larger steps run layer by layer.
 GRID_MAX_ROWS = 512
 AFFINE4, SCALED8 = "affine4", "scaled8"
+AFFINE5 = "affine5"
+PAIR5_BYTES = LANES + 4  # one step (two inputs) of a 5-bit tile: nibbles, then high bits
 # 8-bit codes with fp32 scales and offsets per FINE_BLOCK inputs: any grid above, and the
 # K-quants' runs of 16 with scales that are products of two (exact in fp32, not in fp16).
 FINE8 = "fine8"
 FINE_BLOCK = 16
-GRIDS = (AFFINE4, SCALED8, FINE8)
+GRIDS = (AFFINE4, AFFINE5, SCALED8, FINE8)
+PAIRED = (AFFINE4, AFFINE5)  # two inputs per step of the codes
 # Weights already rebuilt in fp32 (codes: fp32 [tiles, K, 16]): calls of more than MAX_ROWS
 # rows rebuild a tile group once into scratch and run every row over it.
 REBUILT = "rebuilt"
@@ -128,16 +136,38 @@ class GridWeight:
         scales = _fp32_scales(self.scales[:tiles])
         d = np.repeat(scales[:, :, 0, :], block_of(self.kind), axis=1)  # [tiles, K, 16]
         m = np.repeat(scales[:, :, 1, :], block_of(self.kind), axis=1)
-        if self.kind == AFFINE4:
-            q = np.empty((tiles, k, LANES), dtype=np.float32)
-            q[:, 0::2] = self.codes[:tiles] & 15
-            q[:, 1::2] = self.codes[:tiles] >> 4
-        else:
-            q = self.codes[:tiles].astype(np.float32)
+        q = _codes(self.kind, self.codes[:tiles]).astype(np.float32)
         w = (d * q).astype(np.float32) + m
         return torch.from_numpy(np.ascontiguousarray(w.transpose(0, 2, 1))).reshape(
             tiles * LANES, k
         )
+
+
+def _codes(kind: str, codes: np.ndarray) -> np.ndarray:
+    """A grid's codes, one per weight: int8 [tiles, K, 16]."""
+    if kind not in PAIRED:
+        return codes.view(np.int8) if codes.dtype == np.uint8 else codes
+    tiles, pairs = codes.shape[:2]
+    nibbles = codes[:, :, :LANES]
+    q = np.empty((tiles, pairs * 2, LANES), dtype=np.uint8)
+    q[:, 0::2], q[:, 1::2] = nibbles & 15, nibbles >> 4
+    if kind == AFFINE5:
+        word = np.ascontiguousarray(codes[:, :, LANES:]).view("<u4")  # [tiles, pairs, 1]
+        lanes = np.arange(LANES, dtype=np.uint32)
+        q[:, 0::2] |= (((word >> lanes) & 1) << 4).astype(np.uint8)
+        q[:, 1::2] |= (((word >> (lanes + LANES)) & 1) << 4).astype(np.uint8)
+    return q.view(np.int8)
+
+
+def _pack5(q: np.ndarray) -> np.ndarray:
+    """Codes 0..31 uint8 [tiles, K, 16] in the 5-bit layout [tiles, K / 2, 20]."""
+    nibbles = (q[:, 0::2] & 15) | ((q[:, 1::2] & 15) << np.uint8(4))
+    lanes = np.arange(LANES, dtype=np.uint32)
+    high = (q >> 4).astype(np.uint32) & 1
+    word = ((high[:, 0::2] << lanes) | (high[:, 1::2] << (lanes + LANES))).sum(axis=2)
+    bits = np.ascontiguousarray(word.astype("<u4")).view(np.uint8)
+    bits = bits.reshape(q.shape[0], q.shape[1] // 2, 4)
+    return np.ascontiguousarray(np.concatenate((nibbles, bits), axis=2))
 
 
 def block_of(kind: str) -> int:
@@ -160,27 +190,20 @@ def fine(grid: GridWeight) -> GridWeight:
     whose layers come on different grids runs one kind."""
     if grid.kind == FINE8:
         return grid
-    if grid.kind not in (AFFINE4, SCALED8):
+    if grid.kind not in GRIDS:
         raise ValueError(f"fine: {grid.kind} weights are on no grid")
-    codes = grid.codes
-    if grid.kind == AFFINE4:
-        tiles, half, lanes = codes.shape
-        unpacked = np.empty((tiles, half * 2, lanes), dtype=np.int8)
-        unpacked[:, 0::2] = (codes & 15).view(np.int8)
-        unpacked[:, 1::2] = (codes >> 4).view(np.int8)
-        codes = unpacked
+    codes = np.ascontiguousarray(_codes(grid.kind, grid.codes))
     scales = np.repeat(_fp32_scales(grid.scales), GRID_BLOCK // FINE_BLOCK, axis=1)
     return GridWeight(FINE8, grid.out_features, grid.in_features, codes, scales)
 
 
 def one_kind(grids: list[GridWeight]) -> list[GridWeight] | None:
-    """Grids of one GEMM position (one per layer) as grids of one kind: as they are where
-    they share one, all FINE8 where they are on different grids; None where one is not on
+    """Grids of one GEMM position (one per layer) as grids of one kind and scale type: as
+    they are where they share them, all FINE8 where they differ; None where one is not on
     a grid (its position then runs from fp32 tiles)."""
-    kinds = {g.kind for g in grids}
-    if len(kinds) == 1:
+    if len({(g.kind, g.scales.dtype) for g in grids}) == 1:
         return grids
-    if not kinds <= set(GRIDS):
+    if not {g.kind for g in grids} <= set(GRIDS):
         return None
     return [fine(g) for g in grids]
 
@@ -263,24 +286,29 @@ def holds(grid: GridWeight, weight: torch.Tensor) -> bool:
     if tuple(weight.shape) != (grid.out_features, grid.in_features):
         return False
     scales = _fp32_scales(grid.scales)  # [tiles, blocks, 2, 16]
-    codes = grid.codes.view(np.uint8) if grid.kind == AFFINE4 else grid.codes
+    codes = grid.codes.view(np.uint8) if grid.kind in PAIRED else grid.codes
     return bool(_holds(weight.detach().contiguous().numpy(), codes, scales))
 
 
 @jit(nogil=True, error_model="numpy")
 def _holds(w: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> bool:
-    """`holds` over the arrays: codes uint8 [tiles, K / 2, 16] (4-bit pairs) or int8
-    [tiles, K, 16]; scales fp32 [tiles, K / block, 2, 16] (d, m)."""
+    """`holds` over the arrays: codes uint8 [tiles, K / 2, 16 or 20] (4-bit or 5-bit pairs)
+    or int8 [tiles, K, 16]; scales fp32 [tiles, K / block, 2, 16] (d, m)."""
     tiles, k = scales.shape[0], w.shape[1]
-    paired = codes.shape[1] * 2 == k
+    paired, five = codes.shape[1] * 2 == k, codes.shape[2] == PAIR5_BYTES
     block = k // scales.shape[1]
     for t in range(tiles):
         for i in range(k):
             b = i // block
             for j in range(LANES):
                 if paired:
-                    byte = codes[t, i // 2, j]
-                    q = np.float32(byte & 15 if i % 2 == 0 else byte >> 4)
+                    byte = np.int64(codes[t, i // 2, j])
+                    code = byte & 15 if i % 2 == 0 else byte >> 4
+                    if five:
+                        bit = j + LANES * (i % 2)
+                        high = np.int64(codes[t, i // 2, LANES + bit // 8])
+                        code |= ((high >> (bit % 8)) & 1) << 4
+                    q = np.float32(code)
                 else:
                     q = np.float32(codes[t, i, j])
                 value = np.float32(scales[t, b, 0, j] * q) + scales[t, b, 1, j]
@@ -294,37 +322,35 @@ def from_codes(
 ) -> GridWeight | None:
     """The grid of a weight known to be fp32(d * q) + m in each run of inputs (a GGUF
     file's blocks): codes int8 [out_features, in_features] in low..high; d and m
-    [out_features, runs], fp16 per GRID_BLOCK inputs (AFFINE4 where the codes fit 0..15,
-    else SCALED8, whose kernels add m too) or fp32 per FINE_BLOCK (FINE8); None where
-    the shape does not tile."""
+    [out_features, runs], fp16 or fp32. Runs of GRID_BLOCK inputs give AFFINE4 where the
+    codes fit 0..15, AFFINE5 where they fit 0..31, else SCALED8 (whose kernels add m
+    too), with scales of d's type;
+    runs of FINE_BLOCK give FINE8 (fp32 scales). None where the shape does not tile."""
     n, k = codes.shape
-    if not shape_supported(n, k) or m.shape != d.shape:
+    if not shape_supported(n, k) or m.shape != d.shape or d.dtype != m.dtype:
+        return None
+    if d.dtype not in (np.float16, np.float32) or low < -128 or high > 127:
+        return None
+    runs = d.shape[1]
+    if d.shape[0] != n or runs == 0 or k % runs or k // runs not in (GRID_BLOCK, FINE_BLOCK):
         return None
     tiles = n // LANES
     tiled = codes.reshape(tiles, LANES, k).transpose(0, 2, 1)  # [tiles, K, 16]
-    if d.dtype == np.float32:
-        if d.shape != (n, k // FINE_BLOCK) or m.dtype != np.float32 or low < -128 or high > 127:
-            return None
-        scales = np.stack((d, m), axis=1).reshape(tiles, LANES, 2, k // FINE_BLOCK)
-        return GridWeight(
-            FINE8,
-            n,
-            k,
-            np.ascontiguousarray(tiled, dtype=np.int8),
-            np.ascontiguousarray(scales.transpose(0, 3, 2, 1)),
-        )
-    if d.shape != (n, k // GRID_BLOCK):
-        return None
-    if low >= 0 and high <= 15:
+    if k // runs == FINE_BLOCK:
+        kind, packed = FINE8, np.ascontiguousarray(tiled, dtype=np.int8)
+        d, m = d.astype(np.float32), m.astype(np.float32)
+    elif low >= 0 and high <= 15:
         kind, q = AFFINE4, tiled.view(np.uint8)
         packed = np.ascontiguousarray(q[:, 0::2] | (q[:, 1::2] << np.uint8(4)))
-    elif low >= -128 and high <= 127:
-        kind, packed = SCALED8, np.ascontiguousarray(tiled, dtype=np.int8)
+    elif low >= 0 and high <= 31:
+        kind, packed = AFFINE5, _pack5(np.ascontiguousarray(tiled, dtype=np.uint8))
     else:
-        return None
-    scales = np.stack((d, m), axis=1).astype(np.float16)  # [n, 2, blocks]
-    scales = scales.reshape(tiles, LANES, 2, k // GRID_BLOCK).transpose(0, 3, 2, 1)
-    return GridWeight(kind, n, k, packed, np.ascontiguousarray(scales).view(np.uint16))
+        kind, packed = SCALED8, np.ascontiguousarray(tiled, dtype=np.int8)
+    scales = np.stack((d, m), axis=1)  # [n, 2, runs]
+    scales = np.ascontiguousarray(scales.reshape(tiles, LANES, 2, runs).transpose(0, 3, 2, 1))
+    return GridWeight(
+        kind, n, k, packed, scales if d.dtype == np.float32 else scales.view(np.uint16)
+    )
 
 
 @jit(nogil=True, error_model="numpy")
@@ -438,7 +464,8 @@ def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, dm: Any) ->
     values codes[at:], as they are; BF16 and FP16: their 16 values widened (dm unused)."""
     if not isinstance(kind, types.StringLiteral):
         return None
-    affine = kind.literal_value == AFFINE4
+    affine = kind.literal_value in PAIRED
+    five = kind.literal_value == AFFINE5
     rebuilt = kind.literal_value == REBUILT
     narrow = kind.literal_value if kind.literal_value in (BF16, FP16) else None
 
@@ -477,6 +504,22 @@ def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, dm: Any) ->
                 builder.and_(wide, ir.Constant(i32, [15] * LANES)),
                 builder.lshr(wide, ir.Constant(i32, [4] * LANES)),
             ]
+            if five:  # bit 4 of each code from the uint32 after the nibbles
+                data = context.make_array(signature.args[2])(context, builder, args[2]).data
+                at = builder.add(args[3], ir.Constant(args[3].type, LANES))
+                pointer = builder.bitcast(builder.gep(data, [at]), ir.IntType(32).as_pointer())
+                word = builder.load(pointer, align=1)
+                words = builder.insert_element(
+                    ir.Constant(i32, ir.Undefined), word, ir.Constant(ir.IntType(32), 0)
+                )
+                words = builder.shuffle_vector(
+                    words, ir.Constant(i32, ir.Undefined), ir.Constant(i32, [0] * LANES)
+                )
+                one, four = ir.Constant(i32, [1] * LANES), ir.Constant(i32, [4] * LANES)
+                for h in range(2):
+                    shifts = ir.Constant(i32, [h * LANES + j for j in range(LANES)])
+                    bit = builder.and_(builder.lshr(words, shifts), one)
+                    codes[h] = builder.or_(codes[h], builder.shl(bit, four))
         else:
             codes = [builder.sext(raw, i32)]
         for i, code in enumerate(codes):
@@ -520,11 +563,12 @@ def gemm_kernel(
     gate tile j into out tile `first` + j (add unused). The product itself is never
     written: each worker takes the SiLU of its own tiles while they are in registers."""
     k, parts = in_features, len(ends)
-    tb, steps = group_tiles or tiles_per_group(rows), 2 if kind == AFFINE4 else 1
+    tb, steps = group_tiles or tiles_per_group(rows), 2 if kind in PAIRED else 1
     scaled = kind not in DENSE  # weights on no grid have no scales
     block = block_of(kind)
     blocks = k // block
-    code_row = k // steps * LANES  # codes of one tile
+    unit = PAIR5_BYTES if kind == AFFINE5 else LANES  # codes of one step of a tile
+    code_row = k // steps * unit  # codes of one tile
     half = tb // 2  # with silu: the group's gate tiles, then as many of up
     values = half * rows * LANES  # with silu: the group's outputs
 
@@ -569,7 +613,7 @@ def gemm_kernel(
                             sat = (tile * blocks + i // block) * 2 * LANES
                             _block_scales(dm[b], scales, sat)
                     for b in range(tb):
-                        at = tile_of(group, b, tiles) * code_row + i // steps * LANES
+                        at = tile_of(group, b, tiles) * code_row + i // steps * unit
                         _dequant(w[b], kind, codes, at, dm[b])
                     for h in range(steps):
                         for r in range(rows):
@@ -618,7 +662,9 @@ def gemm_all_rows(
 
     silu: out [M, out_features / 32, 16] gets silu(gate) * up of the product of a [gate |
     up] weight, as `gemm_kernel` gives it."""
-    k, steps = in_features, 2 if kind == AFFINE4 else 1
+    k, steps = in_features, 2 if kind in PAIRED else 1
+    unit = PAIR5_BYTES if kind == AFFINE5 else LANES  # codes of one step of a tile
+    code_row = k // steps * unit
     block = block_of(kind)
     blocks = k // block
     scaled = kind not in DENSE
@@ -662,7 +708,7 @@ def gemm_all_rows(
                     if scaled:
                         _block_scales(dm, scales, (t * blocks + i0 // block) * 2 * LANES)
                     for i in range(i0, i0 + block, steps):
-                        _dequant(w[b, i:], kind, codes, (t * k + i) * LANES // steps, dm)
+                        _dequant(w[b, i:], kind, codes, t * code_row + i // steps * unit, dm)
             first = group * half if silu else t0
             for r0 in range(first_row, m, row_step):
                 rows = min(SCRATCH_ROWS, m - r0)

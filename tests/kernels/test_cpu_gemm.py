@@ -40,22 +40,22 @@ def scaled8_weight(out_features: int, in_features: int, seed: int = 0) -> torch.
 
 
 def k_quant_blocks(
-    out_features: int, in_features: int, seed: int = 0
+    out_features: int, in_features: int, low: int, high: int, run: int, seed: int = 0
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A weight as a GGUF K-quant holds it: codes int8 [out, in] in -32..31 and fp32 d and
-    m per run of 16 inputs, each an fp16 times a small integer (exact in fp32, not fp16)."""
+    """A weight as a GGUF K-quant holds it: codes int8 [out, in] in low..high and fp32 d
+    and m per `run` inputs, each an fp16 times a small integer (exact in fp32, not fp16)."""
     rng = np.random.default_rng(seed)
-    runs = (out_features, in_features // 16)
+    runs = (out_features, in_features // run)
     d16 = (rng.random(runs) * 1e-3 + 1e-5).astype(np.float16).astype(np.float32)
     d = d16 * rng.integers(1, 64, runs).astype(np.float32)
     m = -(d16 * rng.integers(0, 64, runs).astype(np.float32))
-    codes = rng.integers(-32, 32, (out_features, in_features)).astype(np.int8)
+    codes = rng.integers(low, high + 1, (out_features, in_features)).astype(np.int8)
     return codes, d, m
 
 
 def k_quant_weight(codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> torch.Tensor:
-    """fp32(d * q) + m per run of 16, as the dequantisation computes it."""
-    q = codes.astype(np.float32).reshape(codes.shape[0], -1, 16)
+    """fp32(d * q) + m per run, as the dequantisation computes it."""
+    q = codes.astype(np.float32).reshape(codes.shape[0], d.shape[1], -1)
     w = (d[:, :, None] * q).astype(np.float32) + m[:, :, None]
     return torch.from_numpy(w.reshape(codes.shape))
 
@@ -197,24 +197,63 @@ def test_any_fp32_weight_in_tile_layout_carries_the_bits_of_the_fixed_order() ->
         assert torch.equal(grid_gemm.grid_linear(x[:rows], tiles, order), expected[:rows]), rows
 
 
-def test_a_k_quant_weight_runs_from_its_fine_grid_in_the_bits_of_the_fixed_order() -> None:
-    """Codes with fp32 scales and offsets per run of 16 (FINE8): the grid holds the weight,
-    and every call size (one pass, scratch) gives the bits of one fused chain over K."""
-    codes, d, m = k_quant_blocks(192, 512, seed=4)
+@pytest.mark.parametrize(
+    ("low", "high", "run", "kind"),
+    [
+        (-32, 31, 16, grid_gemm.FINE8),  # Q6_K
+        (0, 15, 32, grid_gemm.AFFINE4),  # Q4_K
+        (0, 31, 32, grid_gemm.AFFINE5),  # Q5_K
+        (-20, 31, 32, grid_gemm.SCALED8),
+    ],
+    ids=["q6_k", "q4_k", "q5_k", "8-bit"],
+)
+def test_a_k_quant_weight_runs_from_its_grid_in_the_bits_of_the_fixed_order(
+    low, high, run, kind
+) -> None:
+    """Codes with fp32 scales and offsets per run of 16 (FINE8) or 32 (4-bit or 8-bit codes
+    with fp32 scales): the grid holds the weight, and every call size (one pass, scratch)
+    gives the bits of one fused chain over K."""
+    codes, d, m = k_quant_blocks(192, 512, low, high, run, seed=4)
     weight = k_quant_weight(codes, d, m)
-    grid = grid_gemm.from_codes(codes, d, m, -32, 31)
-    assert grid is not None and grid.kind == grid_gemm.FINE8
-    assert grid.scales.dtype == np.float32 and grid.scales.shape == (12, 32, 2, 16)
+    grid = grid_gemm.from_codes(codes, d, m, low, high)
+    assert grid is not None and grid.kind == kind
+    assert grid.scales.dtype == np.float32 and grid.scales.shape == (12, 512 // run, 2, 16)
     assert grid_gemm.holds(grid, weight) and torch.equal(grid.dense(), weight)
     off = weight.clone()
     off[5, 17] = torch.nextafter(off[5, 17], torch.tensor(1.0))
     assert not grid_gemm.holds(grid, off)
-    assert grid_gemm.from_codes(codes, d[:, ::2].copy(), m[:, ::2].copy(), -32, 31) is None
+    assert grid_gemm.from_codes(codes, d[:, ::4].copy(), m[:, ::4].copy(), low, high) is None
     order = grid_gemm.fixed_order(512)
     x = torch.randn(grid_gemm.MAX_ROWS + 13, 512, generator=torch.Generator().manual_seed(6))
     expected = emulate(weight, x, order)
     for rows in (1, grid_gemm.WIDE_ROWS + 1, grid_gemm.MAX_ROWS, len(x)):
         assert torch.equal(grid_gemm.grid_linear(x[:rows], grid, order), expected[:rows]), rows
+
+
+def test_a_5_bit_weight_with_fp16_scales_runs_from_its_packed_codes() -> None:
+    """Q5_1's blocks (codes 0..31, fp16 d and m per 32): 5 bits a code plus the scales,
+    the same bits as the 8-bit layout of the same weights from every path, and fine."""
+    rng = np.random.default_rng(14)
+    codes = rng.integers(0, 32, (128, 576)).astype(np.int8)
+    d = (rng.random((128, 18)) * 0.01 + 1e-3).astype(np.float16)
+    m = (-rng.random((128, 18)) * 0.15).astype(np.float16)
+    grid = grid_gemm.from_codes(codes, d, m, 0, 31)
+    wide = grid_gemm.from_codes(codes, d, m, -1, 31)
+    assert (grid.kind, wide.kind) == (grid_gemm.AFFINE5, grid_gemm.SCALED8)
+    assert grid.codes.shape == (8, 288, 20) and grid.nbytes < wide.nbytes * 0.7
+    weight = wide.dense()
+    assert torch.equal(grid.dense(), weight) and grid_gemm.holds(grid, weight)
+    off = weight.clone()
+    off[70, 301] = torch.nextafter(off[70, 301], torch.tensor(-1.0))
+    assert not grid_gemm.holds(grid, off)
+    order = grid_gemm.fixed_order(576)
+    x = torch.randn(grid_gemm.MAX_ROWS + 9, 576, generator=torch.Generator().manual_seed(3))
+    for rows in (1, grid_gemm.WIDE_ROWS + 1, grid_gemm.MAX_ROWS, len(x)):
+        assert torch.equal(
+            grid_gemm.grid_linear(x[:rows], grid, order),
+            grid_gemm.grid_linear(x[:rows], wide, order),
+        ), rows
+    assert torch.equal(grid_gemm.fine(grid).dense(), weight)
 
 
 @pytest.mark.parametrize("make", [affine4_weight, scaled8_weight])

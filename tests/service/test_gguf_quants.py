@@ -91,8 +91,9 @@ def test_grid_types_are_their_dequantisation_on_a_grid(type_name: str) -> None:
     raw = random_blocks(type_name, rows=16, blocks=4, seed=2)
     grid = gguf_quants.block_grid(raw, type_name)
     values = 4 * gguf_quants.FORMATS[type_name].values
-    k_quant = type_name.endswith("_K")
-    runs, scale_type = (values // 16, np.float32) if k_quant else (values // 32, np.float16)
+    k_quant, fine = type_name.endswith("_K"), type_name in ("Q2_K", "Q3_K", "Q6_K")
+    runs = values // 16 if fine else values // 32
+    scale_type = np.float32 if k_quant else np.float16
     assert grid is not None and grid.codes.shape == (16, values)
     assert grid.d.shape == grid.m.shape == (16, runs) and grid.d.dtype == scale_type
     assert grid.low <= grid.codes.min() and grid.codes.max() <= grid.high
@@ -134,7 +135,7 @@ def test_grid_ranges_per_type() -> None:
     assert ranges == {
         "Q4_0": (0, 15),  # m = -8d
         "Q4_1": (0, 15),
-        "Q5_0": (-16, 15),
+        "Q5_0": (0, 31),  # m = -16d
         "Q5_1": (0, 31),
         "Q8_0": (-128, 127),
         "Q2_K": (0, 3),
