@@ -230,7 +230,12 @@ class ModelRunner:
 
     def _prepare(self, out: SchedulerOutput) -> _Inputs:
         B = self.block_size
-        ids, positions, slots, seq_lens, starts = [], [], [], [], [0]
+        scheduled = out.scheduled
+        # Per request only list work; the per-token arrays are made once for the batch
+        # below, so a step of a few decodes pays a few numpy calls, not a few per request.
+        ids: list[int] = []
+        seq_lens: list[int] = []
+        starts = [0]
         logits_indices: list[int] = []
         sample_requests: list[Request] = []
         num_rows: list[int] = []
@@ -239,18 +244,20 @@ class ModelRunner:
         # next prompt token, for requests with prompt_logprobs.
         prompt_rows: list[tuple[Request, int, int]] = []
         prompt_indices: list[int] = []
-        max_blocks = max(len(s.request.block_table) for s in out.scheduled)
-        block_tables = np.zeros((len(out.scheduled), max_blocks), dtype=np.int32)
-        for i, s in enumerate(out.scheduled):
+        max_blocks = max(len(s.request.block_table) for s in scheduled)
+        block_tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
+        for i, s in enumerate(scheduled):
             req, start, draft = s.request, s.request.num_computed_tokens, s.draft_token_ids
             end = start + s.num_tokens
             known_end = end - len(draft)
-            table = np.asarray(req.block_table, dtype=np.int64)
-            block_tables[i, : len(table)] = table
-            pos = np.arange(start, end, dtype=np.int64)
-            ids.append(np.asarray(req.all_token_ids[start:known_end] + draft, dtype=np.int64))
-            positions.append(pos)
-            slots.append(table[pos // B] * B + pos % B)
+            if end > len(req.block_table) * B:
+                raise ValueError(
+                    f"request {req.request_id}: {end} tokens need more than its "
+                    f"{len(req.block_table)} KV blocks"
+                )
+            block_tables[i, : len(req.block_table)] = req.block_table
+            ids += req.all_token_ids[start:known_end]
+            ids += draft
             seq_lens.append(end)
             starts.append(starts[-1] + s.num_tokens)
             if known_end == req.num_tokens:
@@ -265,19 +272,27 @@ class ModelRunner:
                     prompt_indices.extend(range(starts[-2], starts[-2] + last - start))
         logits_indices += prompt_indices
         greedy += [False] * len(prompt_indices)
+        lens = np.asarray(seq_lens, dtype=np.int64)
+        token_starts = np.asarray(starts, dtype=np.int64)
+        counts = token_starts[1:] - token_starts[:-1]
+        seq_of_token = np.repeat(np.arange(len(scheduled)), counts)
+        # Token t of sequence i sits at position seq_lens[i] - counts[i] + (t - starts[i]).
+        positions = np.arange(starts[-1]) + (lens - counts - token_starts[:-1])[seq_of_token]
+        blocks = block_tables[seq_of_token, positions // B].astype(np.int64)
+        slots = blocks * B + positions % B
 
         def tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
             return torch.from_numpy(a).to(device=self.device, dtype=dtype)
 
         attn = AttentionMetadata(
-            slot_mapping=tensor(np.concatenate(slots), torch.int64),
+            slot_mapping=tensor(slots, torch.int64),
             block_tables=tensor(block_tables, torch.int32),
-            seq_lens=tensor(np.asarray(seq_lens), torch.int32),
-            query_start_loc=tensor(np.asarray(starts), torch.int32),
+            seq_lens=tensor(lens, torch.int32),
+            query_start_loc=tensor(token_starts, torch.int32),
         )
         return _Inputs(
-            input_ids=tensor(np.concatenate(ids), torch.int64),
-            positions=tensor(np.concatenate(positions), torch.int64),
+            input_ids=tensor(np.asarray(ids, dtype=np.int64), torch.int64),
+            positions=tensor(positions, torch.int64),
             attn=attn,
             logits_indices=tensor(np.asarray(logits_indices, dtype=np.int64), torch.int64),
             sample_requests=sample_requests,

@@ -139,7 +139,7 @@ class Sampler:
             token_ids = greedy_tokens(logits)
         else:
             token_ids = self._sample(logits, rows)
-        if picked is not None:
+        if picked is not None and token_ids is not tokens:
             token_ids = torch.where(picked, tokens, token_ids)
         return _build_results(logits, token_ids, params)
 

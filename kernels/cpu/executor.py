@@ -102,7 +102,9 @@ class CpuExecutor:
         # int64 [threads, phases, 2], or None: each fused step adds the cycles its workers
         # spend per phase (`fused_step.fused_forward`), for profiling.
         self.step_profile: np.ndarray | None = None
-        self._cache_arrays: Any = None
+        self._cache_arrays: Any = None  # fused_step.CacheArrays of the caches served
+        self._step_scratch: Any = None  # fused_step.StepScratch
+        self._step_shapes: dict[int, Any] = {}  # block size -> fused_step.StepShape
         self._ready = threading.Event()
         self.active = False
         self.error: BaseException | None = None
@@ -120,7 +122,7 @@ class CpuExecutor:
         if grids is not None:
             layer_grids, lm_head = grids
             kinds = {g.kind for g in (*layer_grids[0], lm_head)}
-            self.mode = "rebuilt" if kinds <= set(grid_gemm.DENSE) else "grid"
+            self.mode = "rebuilt" if kinds == {grid_gemm.REBUILT} else "grid"
             self._build_grids(layer_grids, lm_head)
             return
         if self.mode == "grid":
@@ -435,16 +437,17 @@ class CpuExecutor:
         """The step as one compiled call (`fused_step`), where it serves the batch: up to
         `FusedWeights.max_tokens` new tokens, every sequence on the compiled attention
         kernels. None: the step runs layer by layer."""
-        from pagedinfer.kernels.cpu import fused_step, paged_decode
+        from pagedinfer.kernels.cpu import fused_step
 
         config = self.config
         tokens = hidden.shape[0]
         if tokens > self.fused.max_tokens:
             return None
+        arrays = self._fused_caches(hidden, kv_caches)
+        if arrays is None:
+            return None
         k_cache, v_cache = kv_caches[0]
         query = hidden.new_empty(tokens, config.num_heads, config.head_dim)
-        if not paged_decode.supports(query, k_cache, v_cache):
-            return None
         qsl = attn.query_start_loc
         args = (query, k_cache, v_cache, attn.block_tables, attn.seq_lens, qsl)
         scale = config.head_dim**-0.5
@@ -452,23 +455,15 @@ class CpuExecutor:
             key = hidden.new_empty(tokens, config.num_kv_heads, config.head_dim)
             check_write_kv(key, key, k_cache, v_cache, attn.slot_mapping, False)
             check_paged_attention(*args, scale, None, check_values=False)
-        plan = attn.plan_for(query, k_cache, v_cache)
+        plan = decode_plan(attn, k_cache.shape[1]) or attn.plan_for(query, k_cache, v_cache)
         if plan.groups:
             return None
         attn.validated = True
-        shape = fused_step.StepShape(
-            hidden=config.hidden_size,
-            num_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            intermediate=config.intermediate_size,
-            vocab=config.vocab_size,
-            block_size=k_cache.shape[1],
-        )
-        self._cache_arrays = fused_step.cache_arrays(kv_caches, self._cache_arrays)
+        if self._step_scratch is None:
+            self._step_scratch = fused_step.StepScratch()
         return fused_step.fused_forward(
             self.fused,
-            shape,
+            self._step_shape(k_cache.shape[1]),
             hidden,
             rope,
             attn.slot_mapping,
@@ -478,8 +473,67 @@ class CpuExecutor:
             scale,
             None if greedy is None else greedy.numpy(),
             self.step_profile,
-            self._cache_arrays,
+            arrays,
+            self._step_scratch,
         )
+
+    def _fused_caches(
+        self, hidden: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> Any:
+        """The fused step's views of these caches (`fused_step.CacheArrays`), kept from
+        step to step, or None where the compiled attention kernels do not take them."""
+        from pagedinfer.kernels.cpu import fused_step, paged_decode
+
+        known = self._cache_arrays
+        if known is not None and fused_step.views_of(known, kv_caches):
+            return known
+        config = self.config
+        k_cache, v_cache = kv_caches[0]
+        query = hidden.new_empty(1, config.num_heads, config.head_dim)
+        if not paged_decode.supports(query, k_cache, v_cache):
+            return None
+        self._cache_arrays = fused_step.cache_arrays(kv_caches)
+        return self._cache_arrays
+
+    def _step_shape(self, block_size: int) -> Any:
+        shape = self._step_shapes.get(block_size)
+        if shape is None:
+            from pagedinfer.kernels.cpu import fused_step
+
+            config = self.config
+            shape = fused_step.StepShape(
+                hidden=config.hidden_size,
+                num_heads=config.num_heads,
+                num_kv_heads=config.num_kv_heads,
+                head_dim=config.head_dim,
+                intermediate=config.intermediate_size,
+                vocab=config.vocab_size,
+                block_size=block_size,
+            )
+            self._step_shapes[block_size] = shape
+        return shape
+
+
+def decode_plan(attn: AttentionMetadata, block_size: int) -> torch_ops.AttentionPlan | None:
+    """The plan `attn.plan_for` makes on the compiled kernels for a batch in which every
+    sequence has one new token (a step that only decodes), made without its general
+    bookkeeping; None for any other batch. Longest context first, as there."""
+    qsl = attn.query_start_loc.numpy()
+    num_seqs = qsl.shape[0] - 1
+    if num_seqs < 1 or qsl[0] != 0 or qsl[-1] != num_seqs:
+        return None
+    if num_seqs > 1 and not bool((qsl[1:] - qsl[:-1] == 1).all()):
+        return None
+    lens = attn.seq_lens.numpy()
+    tables = attn.block_tables.numpy()
+    if num_seqs == 1:
+        order = np.zeros(1, np.int64)
+        ordered_tables = np.ascontiguousarray(tables, dtype=np.int32)
+    else:
+        order = np.argsort(-lens.astype(np.int64), kind="stable")
+        ordered_tables = tables[order].astype(np.int32, copy=False)
+    decodes = torch_ops._Decodes(order, ordered_tables, lens[order].astype(np.int32))
+    return torch_ops.AttentionPlan([], block_size, decodes)
 
 
 def _norms(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -492,12 +546,10 @@ POSITIONS = ("qkv", "o", "gate_up", "down", "lm_head")
 def choose_grids(model: nn.Module) -> tuple[list[list[Any]], Any] | None:
     """Each GEMM position's weights (the four of every layer, in `linears()` order, and
     the LM head) as `grid_gemm.GridWeight`s: where every layer's weight at a position lies
-    on a grid, those grids (`weight_grid`), made one kind where they differ
-    (`grid_gemm.one_kind`), since the fused step runs one kind per position; otherwise
-    that position's weights in tile layout (`grid_gemm.rebuilt`), in 16 bits where every
-    value of the position is a bf16 (or every one an fp16: a checkpoint stored in that
-    type), else in fp32. None where a GEMM has a bias (the fused step adds none) or a
-    shape does not tile."""
+    on a grid of one kind, those grids (`weight_grid`); otherwise that position's fp32
+    weights in tile layout (`grid_gemm.rebuilt`), since the fused step runs one kind per
+    position. None where a GEMM has a bias (the fused step adds none) or a shape does not
+    tile."""
     from pagedinfer.kernels.cpu import grid_gemm
 
     config = model.config
@@ -512,16 +564,13 @@ def choose_grids(model: nn.Module) -> tuple[list[list[Any]], Any] | None:
         grids, sources = [], set()
         for weight in weights:
             grid, source = weight_grid(weight, names.get(id(weight), ""), file_grids)
-            if grid is None:
+            if grid is None or (grids and grid.kind != grids[0].kind):
                 grids = None
                 break
             grids.append(grid)
             sources.add(source)
-        grids = None if grids is None else grid_gemm.one_kind(grids)
         if grids is None:
-            narrowest = {grid_gemm.narrowest(w) for w in weights}
-            kind = narrowest.pop() if len(narrowest) == 1 else grid_gemm.REBUILT
-            grids, sources = [grid_gemm.rebuilt(w, kind) for w in weights], set()
+            grids, sources = [grid_gemm.rebuilt(w) for w in weights], set()
             if any(g is None for g in grids):
                 return None
         chosen.append(grids)
@@ -558,7 +607,7 @@ def find_grids(model: nn.Module) -> tuple[list[list[Any]], Any] | None:
     from pagedinfer.kernels.cpu import grid_gemm
 
     grids = choose_grids(model)
-    if grids is None or any(g.kind in grid_gemm.DENSE for g in (*grids[0][0], grids[1])):
+    if grids is None or any(g.kind == grid_gemm.REBUILT for g in (*grids[0][0], grids[1])):
         return None
     return grids
 

@@ -158,26 +158,149 @@ class CacheArrays:
     values: tuple[np.ndarray, ...]
 
 
+def views_of(known: CacheArrays, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Whether `known` views these very cache tensors."""
+    return len(known.caches) == len(kv_caches) and all(
+        k is known_k and v is known_v
+        for (k, v), (known_k, known_v) in zip(kv_caches, known.caches, strict=True)
+    )
+
+
 def cache_arrays(
     kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], known: CacheArrays | None = None
 ) -> CacheArrays:
     """Views of these caches: `known` where it views these very tensors, else new ones.
     The executor keeps them from step to step: checking that `known` still fits costs far
     less than making a view of every layer's caches each step."""
-    if (
-        known is not None
-        and len(known.caches) == len(kv_caches)
-        and all(
-            k is known_k and v is known_v
-            for (k, v), (known_k, known_v) in zip(kv_caches, known.caches, strict=True)
-        )
-    ):
+    if known is not None and views_of(known, kv_caches):
         return known
     return CacheArrays(
         tuple((k, v) for k, v in kv_caches),
         tuple(k.numpy() for k, _ in kv_caches),
         tuple(v.numpy() for _, v in kv_caches),
     )
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What `fused_forward` makes for a step of one shape (tokens, logits rows and which
+    of them are greedy, workers) and a step of the same shape reuses: the kernel, the
+    scratch arrays it writes before reading, and the arguments that do not change."""
+
+    kernel: Callable[..., None]
+    weight_args: tuple[Any, ...]
+    # From `normed` to the normed rows for the LM head, and from `argmax_at` to `picked`:
+    # the arguments on either side of the logits, which are new each step.
+    scratch_args: tuple[Any, ...]
+    argmax_args: tuple[Any, ...]
+    num_full: int  # logits rows computed in full
+    picking: np.ndarray  # bool [S]: rows whose argmax `greedy_argmax` picks
+    full_positions: np.ndarray  # int64: the full rows among the S rows
+    argmax_normed: np.ndarray  # fp32 [picking rows, hidden]
+    picked: np.ndarray  # int64 [picking rows]
+    sync: np.ndarray  # int64 [2], zeroed before each step
+
+
+class StepScratch:
+    """The setup of the last step `fused_forward` ran (`_Setup`), kept for the next: the
+    steps of a batch that only decodes all have one shape, so each reuses the last one's
+    arrays and arguments instead of making them again. For one thread at a time."""
+
+    def __init__(self) -> None:
+        self._weights: FusedWeights | None = None
+        self._key: tuple[Any, ...] | None = None
+        self._setup: _Setup | None = None
+
+    def setup(
+        self,
+        weights: FusedWeights,
+        shape: StepShape,
+        tokens: int,
+        rows: np.ndarray,
+        picking: np.ndarray,
+        workers: int,
+        num_layers: int,
+        profiled: bool,
+    ) -> _Setup:
+        """The setup for this step: the last one where the step has its shape, else new."""
+        key = (shape, tokens, rows.tobytes(), picking.tobytes(), workers, num_layers, profiled)
+        if self._setup is None or weights is not self._weights or key != self._key:
+            self._setup = _new_setup(
+                weights, shape, tokens, rows, picking, workers, num_layers, profiled
+            )
+            self._weights, self._key = weights, key
+        return self._setup
+
+
+def _new_setup(
+    weights: FusedWeights,
+    shape: StepShape,
+    tokens: int,
+    rows: np.ndarray,
+    picking: np.ndarray,
+    workers: int,
+    num_layers: int,
+    profiled: bool,
+) -> _Setup:
+    qkv_width = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
+    q_width = shape.num_heads * shape.head_dim
+    qkv = torch.empty(tokens, qkv_width)
+    query = qkv[:, :q_width].view(tokens, shape.num_heads, shape.head_dim)
+    attn_out = torch.empty(tokens, shape.num_heads, shape.head_dim)
+    full_rows, argmax_rows = rows[~picking], rows[picking]
+    # The last layer's attention output, MLP and residual matter only for the rows that
+    # go on to the LM head (a prompt's K/V is written before): those run on the rows
+    # kept, moved to the front, and the LM head reads them there.
+    kept = np.union1d(full_rows, argmax_rows).astype(np.int64)
+    full_at, argmax_at = np.searchsorted(kept, full_rows), np.searchsorted(kept, argmax_rows)
+    argmax_normed = np.empty((argmax_rows.shape[0], shape.hidden), np.float32)
+    picked = np.empty(argmax_rows.shape[0], np.int64)
+    if weights.argmax is not None:
+        argmax_weight_args = (
+            *greedy_argmax.weights_args(weights.argmax),
+            *weights.argmax.pool.get(argmax_rows.shape[0], workers).args(),
+        )
+    else:
+        argmax_weight_args = greedy_argmax.no_args()
+    return _Setup(
+        kernel=_kernel(shape, weights.kinds, weights.orders, num_layers, profiled),
+        weight_args=(
+            weights.norms,
+            weights.final_norm,
+            np.float32(weights.eps),
+            *weights.codes,
+            *weights.scales,
+        ),
+        scratch_args=(
+            np.empty((tokens, shape.hidden), np.float32),  # normed
+            qkv.numpy(),
+            query.numpy(),
+            attn_out.numpy(),
+            np.empty((tokens, shape.intermediate), np.float32),  # silu(gate) * up
+            kept,
+            full_at,
+            np.empty((full_rows.shape[0], shape.hidden), np.float32),  # the rows for logits
+            np.empty((full_rows.shape[0], shape.hidden), np.float32),  # ... normed
+        ),
+        argmax_args=(
+            argmax_at,
+            np.empty((argmax_rows.shape[0], shape.hidden), np.float32),  # the greedy rows
+            argmax_normed,
+            *argmax_weight_args,
+            picked,
+        ),
+        num_full=full_rows.shape[0],
+        picking=picking.copy(),  # the caller's greedy flags may change under it
+        full_positions=np.flatnonzero(~picking),
+        argmax_normed=argmax_normed,
+        picked=picked,
+        sync=np.zeros(2, dtype=np.int64),  # arrivals at barriers; a bad slot's token + 1
+    )
+
+
+_EMPTY_ROWS = np.zeros(0, np.int64)
+_EMPTY_TABLE = np.zeros((0, 1), np.int32)
+_EMPTY_INTS = np.zeros(0, np.int32)
 
 
 def fused_forward(
@@ -193,6 +316,7 @@ def fused_forward(
     greedy: np.ndarray | None = None,
     profile: np.ndarray | None = None,
     arrays: CacheArrays | None = None,
+    scratch: StepScratch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every layer over the new tokens' hidden states [T, hidden] (the embeddings; the
     step's scratch after), then the final norm and LM head of rows logits_indices: fp32 logits
@@ -203,36 +327,16 @@ def fused_forward(
     or int64 [workers or more, len(PHASES), 2], to which each worker adds the cycles
     (`numba_support.cycle_counter`) it spent in each phase, working and then waiting for the
     others (a kernel compiled with the counters; without profile, one without them).
-    arrays: `cache_arrays(kv_caches)`, made here when not given.
+    arrays: `cache_arrays(kv_caches)`, made here when not given. scratch: where the
+    step's setup is kept for the next step of its shape (None: made for this step alone).
     Raises ValueError for a slot past the cache's end."""
     tokens = hidden.shape[0]
-    qkv_width = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
-    q_width = shape.num_heads * shape.head_dim
-    qkv = torch.empty(tokens, qkv_width)
-    query = qkv[:, :q_width].view(tokens, shape.num_heads, shape.head_dim)
-    attn_out = torch.empty(tokens, shape.num_heads, shape.head_dim)
     rows = logits_indices.numpy()
-    picking = np.zeros(rows.shape[0], dtype=bool)
     if weights.argmax is not None and greedy is not None:
         picking = np.asarray(greedy, dtype=bool)
-    full_rows, argmax_rows = rows[~picking], rows[picking]
-    # The last layer's attention output, MLP and residual matter only for the rows that
-    # go on to the LM head (a prompt's K/V is written before): those run on the rows
-    # kept, moved to the front, and the LM head reads them there.
-    kept = np.union1d(full_rows, argmax_rows).astype(np.int64)
-    full_at, argmax_at = np.searchsorted(kept, full_rows), np.searchsorted(kept, argmax_rows)
-    full_logits = torch.empty(full_rows.shape[0], shape.vocab)
-    argmax_normed = np.empty((argmax_rows.shape[0], shape.hidden), np.float32)
-    picked = np.empty(argmax_rows.shape[0], np.int64)
-    workers = torch.get_num_threads()
-    if weights.argmax is not None:
-        argmax_args = (
-            *greedy_argmax.weights_args(weights.argmax),
-            *weights.argmax.pool.get(argmax_rows.shape[0], workers).args(),
-        )
     else:
-        argmax_args = greedy_argmax.no_args()
-    sync = np.zeros(2, dtype=np.int64)  # arrivals at barriers; a bad slot's token + 1
+        picking = np.zeros(rows.shape[0], dtype=bool)
+    workers = torch.get_num_threads()
     if profile is not None and (
         profile.dtype != np.int64
         or profile.shape[0] < workers
@@ -244,28 +348,31 @@ def fused_forward(
         )
     if arrays is None:
         arrays = cache_arrays(kv_caches)
+    if scratch is None:
+        scratch = StepScratch()
+    setup = scratch.setup(
+        weights, shape, tokens, rows, picking, workers, len(kv_caches), profile is not None
+    )
     decodes, runs = plan.decodes, plan.runs
-    empty_rows, empty_table = np.zeros(0, np.int64), np.zeros((0, 1), np.int32)
-    empty_ints = np.zeros(0, np.int32)
     d_rows, d_tables, d_lens = (
         (decodes.query_rows, decodes.block_tables, decodes.seq_lens)
         if decodes is not None
-        else (empty_rows, empty_table, empty_ints)
+        else (_EMPTY_ROWS, _EMPTY_TABLE, _EMPTY_INTS)
     )
     r_rows, r_counts, r_tables, r_lens = (
         (runs.query_rows, runs.counts, runs.block_tables, runs.seq_lens)
         if runs is not None
-        else (empty_rows, empty_ints, empty_table, empty_ints)
+        else (_EMPTY_ROWS, _EMPTY_INTS, _EMPTY_TABLE, _EMPTY_INTS)
     )
+    # New each step: the caller may keep the logits.
+    full_logits = torch.empty(setup.num_full, shape.vocab)
+    sync = setup.sync
+    sync.fill(0)
     args = (
         hidden.numpy(),
         cos_sin.numpy(),
         slot_mapping.numpy(),
-        weights.norms,
-        weights.final_norm,
-        np.float32(weights.eps),
-        *weights.codes,
-        *weights.scales,
+        *setup.weight_args,
         arrays.keys,
         arrays.values,
         d_rows,
@@ -276,35 +383,23 @@ def fused_forward(
         r_tables,
         r_lens,
         np.float32(scale),
-        np.empty((tokens, shape.hidden), np.float32),  # normed
-        qkv.numpy(),
-        query.numpy(),
-        attn_out.numpy(),
-        np.empty((tokens, shape.intermediate), np.float32),  # silu(gate) * up
-        kept,
-        full_at,
-        np.empty((full_rows.shape[0], shape.hidden), np.float32),  # the rows for logits
-        np.empty((full_rows.shape[0], shape.hidden), np.float32),  # ... normed
+        *setup.scratch_args,
         full_logits.numpy(),
-        argmax_at,
-        np.empty((argmax_rows.shape[0], shape.hidden), np.float32),  # the greedy rows
-        argmax_normed,
-        *argmax_args,
-        picked,
+        *setup.argmax_args,
         sync,
         _NO_PROFILE if profile is None else profile,
     )
-    step = _kernel(shape, weights.kinds, weights.orders, len(kv_caches), profile is not None)
-    run_jobs([Job(step, args, workers)])
+    run_jobs([Job(setup.kernel, args, workers)])
     if sync[1]:
         token = int(sync[1]) - 1
         raise ValueError(
             f"slot_mapping: slot {int(slot_mapping[token])} of token {token} is outside the "
             f"cache's {kv_caches[0][0].shape[0] * kv_caches[0][0].shape[1]} slots"
         )
-    if not picking.any():
+    picking, picked = setup.picking, setup.picked
+    if not picked.shape[0]:
         return full_logits, None
-    positions = np.flatnonzero(~picking)  # of full_logits' rows among the S rows
+    positions = setup.full_positions  # of full_logits' rows among the S rows
     argmax = np.full(rows.shape[0], -1, dtype=np.int64)
     argmax[picking] = picked
     # A greedy row that `greedy_argmax` could not pick (-1) gets its logits after all.
@@ -312,7 +407,9 @@ def fused_forward(
     if missed.any():
         assert weights.argmax is not None
         late = grid_gemm.grid_linear(
-            torch.from_numpy(argmax_normed[missed]), weights.argmax.grid, weights.argmax.order
+            torch.from_numpy(setup.argmax_normed[missed]),
+            weights.argmax.grid,
+            weights.argmax.order,
         )
         full_logits = torch.cat((full_logits, late))
         positions = np.concatenate((positions, np.flatnonzero(picking)[missed]))

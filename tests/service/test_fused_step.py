@@ -17,7 +17,7 @@ pytest.importorskip("numba", reason="the fused step is compiled with numba")
 
 from pagedinfer.kernels import AttentionMetadata, cpu, torch_ops
 from pagedinfer.kernels.cpu import fused_step, greedy_argmax, grid_gemm
-from pagedinfer.kernels.cpu.executor import CpuExecutor, choose_mode, find_grids
+from pagedinfer.kernels.cpu.executor import CpuExecutor, choose_mode, decode_plan, find_grids
 from pagedinfer.service.models.llama import LlamaModel, ModelConfig
 
 pytestmark = pytest.mark.skipif(
@@ -429,3 +429,94 @@ def test_the_caches_views_are_kept_while_the_caches_stay_and_made_anew_when_one_
     assert np.shares_memory(fresh.keys[2], caches[2][0].numpy())
     shorter = fused_step.cache_arrays(caches[:2], arrays)
     assert shorter is not arrays and len(shorter.keys) == len(shorter.values) == 2
+
+
+def test_a_step_keeps_its_setup_for_the_next_step_of_its_shape_and_no_other() -> None:
+    """The setup (scratch arrays, arguments) is reused while the weights, the tokens, the
+    logits rows, which of them are greedy and the threads stay; any change makes a new one."""
+    empty = np.zeros(0, np.uint8)
+    weights = fused_step.FusedWeights(
+        norms=np.ones((3, 2, 256), np.float32),
+        final_norm=np.ones(256, np.float32),
+        eps=1e-5,
+        kinds=("affine4",) * 4 + ("scaled8",),
+        orders=tuple(grid_gemm.fixed_order(k) for k in (256, 256, 256, 512, 256)),
+        max_tokens=grid_gemm.GRID_MAX_ROWS,
+        codes=(empty,) * 5,
+        scales=(empty,) * 5,
+    )
+    scratch = fused_step.StepScratch()
+    shape = fused_step.StepShape(256, 4, 2, 64, 512, 512, BLOCK_SIZE)
+    one, two = np.array([0]), np.array([0, 1])
+    yes, no, both = np.array([True]), np.array([False]), np.array([True, True])
+
+    def setup(
+        tokens: int,
+        rows: np.ndarray,
+        picking: np.ndarray,
+        workers: int = 2,
+        weights: fused_step.FusedWeights = weights,
+    ) -> object:
+        return scratch.setup(weights, shape, tokens, rows, picking, workers, 3, False)
+
+    first = setup(1, one, yes)
+    assert setup(1, one.copy(), yes.copy()) is first
+    changed = [setup(2, two, both), setup(1, one, no), setup(2, np.array([1]), yes)]
+    changed.append(setup(1, one, yes, workers=1))
+    changed.append(setup(1, one, yes, weights=dataclasses.replace(weights)))
+    assert all(s is not first for s in changed)
+    assert setup(1, one, yes) is not first  # only the last setup is kept
+
+
+def test_steps_of_one_shape_share_a_setup_and_each_keeps_its_own_logits(
+    executor: CpuExecutor,
+) -> None:
+    """Two decodes in a row (one setup), then a step of another shape, then the first
+    decode again: each step's logits are what that step gives on its own."""
+    base = prefilled(executor, [30, 50])
+    cache = base.copy()
+    first = run(cache, executor, [(0, [11], 30)], fused=True)
+    second = run(cache, executor, [(0, [12], 31)], fused=True)
+    run(cache, executor, [(0, [13], 32), (1, [14], 50)], fused=True)
+    assert torch.equal(first, run(base.copy(), executor, [(0, [11], 30)], fused=True))
+    replay = base.copy()
+    run(replay, executor, [(0, [11], 30)], fused=False)
+    assert torch.equal(second, run(replay, executor, [(0, [12], 31)], fused=False))
+
+
+@pytest.mark.parametrize("lengths", [[7], [16, 17], [5, 40, 40, 3, 90]], ids=["one", "two", "ties"])
+def test_a_step_of_decodes_alone_is_planned_as_the_general_planner_plans_it(
+    lengths: list[int],
+) -> None:
+    num_seqs = len(lengths)
+    tables = torch.randperm(8 * num_seqs, generator=torch.Generator().manual_seed(1))
+    attn = AttentionMetadata(
+        slot_mapping=torch.zeros(num_seqs, dtype=torch.int64),
+        block_tables=tables.view(num_seqs, 8).to(torch.int32),
+        seq_lens=torch.tensor(lengths, dtype=torch.int32),
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32),
+        compiled=True,  # as the executor's steps are
+    )
+    query = torch.empty(num_seqs, 4, 64)
+    k_cache = v_cache = torch.empty(8 * num_seqs, BLOCK_SIZE, 2, 64)
+    ours = decode_plan(attn, BLOCK_SIZE)
+    theirs = attn.plan_for(query, k_cache, v_cache)
+    assert ours is not None and ours.groups == theirs.groups == []
+    assert ours.block_size == theirs.block_size
+    for name in ("query_rows", "block_tables", "seq_lens"):
+        mine, general = getattr(ours.decodes, name), getattr(theirs.decodes, name)
+        assert mine.dtype == general.dtype and mine.flags.c_contiguous
+        np.testing.assert_array_equal(mine, general)
+    assert theirs.runs is None or theirs.runs.query_rows.shape[0] == 0
+
+
+@pytest.mark.parametrize("starts", [[0, 2], [0, 1, 3], [0, 0, 2]], ids=["draft", "mixed", "empty"])
+def test_a_step_with_more_than_decodes_gets_the_general_plan(starts: list[int]) -> None:
+    num_seqs = len(starts) - 1
+    attn = AttentionMetadata(
+        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
+        block_tables=torch.zeros(num_seqs, 2, dtype=torch.int32),
+        seq_lens=torch.full((num_seqs,), 9, dtype=torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+    )
+    assert decode_plan(attn, BLOCK_SIZE) is None
