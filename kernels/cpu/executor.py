@@ -122,7 +122,7 @@ class CpuExecutor:
         if grids is not None:
             layer_grids, lm_head = grids
             kinds = {g.kind for g in (*layer_grids[0], lm_head)}
-            self.mode = "rebuilt" if kinds == {grid_gemm.REBUILT} else "grid"
+            self.mode = "rebuilt" if kinds <= set(grid_gemm.DENSE) else "grid"
             self._build_grids(layer_grids, lm_head)
             return
         if self.mode == "grid":
@@ -546,10 +546,12 @@ POSITIONS = ("qkv", "o", "gate_up", "down", "lm_head")
 def choose_grids(model: nn.Module) -> tuple[list[list[Any]], Any] | None:
     """Each GEMM position's weights (the four of every layer, in `linears()` order, and
     the LM head) as `grid_gemm.GridWeight`s: where every layer's weight at a position lies
-    on a grid of one kind, those grids (`weight_grid`); otherwise that position's fp32
-    weights in tile layout (`grid_gemm.rebuilt`), since the fused step runs one kind per
-    position. None where a GEMM has a bias (the fused step adds none) or a shape does not
-    tile."""
+    on a grid, those grids (`weight_grid`), made one kind where they differ
+    (`grid_gemm.one_kind`), since the fused step runs one kind per position; otherwise
+    that position's weights in tile layout (`grid_gemm.rebuilt`), in 16 bits where every
+    value of the position is a bf16 (or every one an fp16: a checkpoint stored in that
+    type), else in fp32. None where a GEMM has a bias (the fused step adds none) or a
+    shape does not tile."""
     from pagedinfer.kernels.cpu import grid_gemm
 
     config = model.config
@@ -564,13 +566,16 @@ def choose_grids(model: nn.Module) -> tuple[list[list[Any]], Any] | None:
         grids, sources = [], set()
         for weight in weights:
             grid, source = weight_grid(weight, names.get(id(weight), ""), file_grids)
-            if grid is None or (grids and grid.kind != grids[0].kind):
+            if grid is None:
                 grids = None
                 break
             grids.append(grid)
             sources.add(source)
+        grids = None if grids is None else grid_gemm.one_kind(grids)
         if grids is None:
-            grids, sources = [grid_gemm.rebuilt(w) for w in weights], set()
+            narrowest = {grid_gemm.narrowest(w) for w in weights}
+            kind = narrowest.pop() if len(narrowest) == 1 else grid_gemm.REBUILT
+            grids, sources = [grid_gemm.rebuilt(w, kind) for w in weights], set()
             if any(g is None for g in grids):
                 return None
         chosen.append(grids)
@@ -607,7 +612,7 @@ def find_grids(model: nn.Module) -> tuple[list[list[Any]], Any] | None:
     from pagedinfer.kernels.cpu import grid_gemm
 
     grids = choose_grids(model)
-    if grids is None or any(g.kind == grid_gemm.REBUILT for g in (*grids[0][0], grids[1])):
+    if grids is None or any(g.kind in grid_gemm.DENSE for g in (*grids[0][0], grids[1])):
         return None
     return grids
 
