@@ -322,8 +322,7 @@ def block_grid(raw: np.ndarray, type_name: str) -> BlockGrid | None:
     that are one (GRID_TYPES); None for the others.
 
     Q4_0 (d * (q - 8)) keeps its codes 0..15 with m = -8d, which fp32(d * q) + m gives
-    exactly (d * (q - 8) is exact in fp32), unless -8d overflows fp16: then codes -8..7;
-    Q5_0 likewise its codes 0..31 with m = -16d."""
+    exactly (d * (q - 8) is exact in fp32), unless -8d overflows fp16: then codes -8..7."""
     rows = raw.shape[0]
     if type_name in _K_PARTS:
         q, d, m = _K_PARTS[type_name](_blocks(raw, FORMATS[type_name]))
@@ -343,10 +342,9 @@ def block_grid(raw: np.ndarray, type_name: str) -> BlockGrid | None:
         m = m_raw.copy().view(np.float16).reshape(rows, -1)
     else:
         m = np.zeros_like(d)
-        half = {"Q4_0": 8, "Q5_0": 16}.get(type_name)
-        if half is not None:
+        if type_name == "Q4_0":
             with np.errstate(over="ignore"):
-                offset = (d.astype(np.float32) * -half).astype(np.float16)
+                offset = (d.astype(np.float32) * -8).astype(np.float16)
             if np.isfinite(offset)[np.isfinite(d)].all():
-                q, m, low, high = q + half, offset, 0, 2 * half - 1
+                q, m, low, high = q + 8, offset, 0, 15
     return BlockGrid(q.astype(np.int8).reshape(rows, -1), d, m, low, high)

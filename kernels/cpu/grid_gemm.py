@@ -24,9 +24,6 @@ Layouts: 16 output columns form a tile (a vector of fp32 lanes).
 - 4-bit: codes uint8 [tiles, K / 2, 16], byte (t, p, j) = q[16t + j, 2p] + 16 q[16t + j,
   2p + 1]; scales uint16 (fp16 bits) [tiles, K / 32, 2, 16]: d then m.
 - 8-bit: codes int8 [tiles, K, 16]; scales uint16 [tiles, K / 32, 2, 16] (m is 0).
-- 5-bit (AFFINE5: GGUF Q5_0, Q5_1, Q5_K): codes uint8 [tiles, K / 2, 20], for inputs 2p
-  and 2p + 1: 16 bytes of low nibbles as in the 4-bit layout, then a little-endian uint32
-  whose bit j (16 + j) is bit 4 of input 2p's (2p + 1's) code in lane j; scales as 4-bit.
 - any of those with fp32 scales [tiles, K / 32, 2, 16] (a GGUF Q4_K or Q5_K).
 - fine 8-bit (FINE8: a GGUF K-quant, or a weight whose parts differ in grid): codes int8
   [tiles, K, 16]; scales fp32 [tiles, K / 16, 2, 16], d then m.
@@ -79,14 +76,11 @@ WIDE_ROWS = 3
 # The most new tokens the fused step takes (`fused_step`); larger steps run layer by layer.
 GRID_MAX_ROWS = 512
 AFFINE4, SCALED8 = "affine4", "scaled8"
-AFFINE5 = "affine5"
-PAIR5_BYTES = LANES + 4  # one step (two inputs) of a 5-bit tile: nibbles, then high bits
 # 8-bit codes with fp32 scales and offsets per FINE_BLOCK inputs: any grid above, and the
 # K-quants' runs of 16 with scales that are products of two (exact in fp32, not in fp16).
 FINE8 = "fine8"
 FINE_BLOCK = 16
-GRIDS = (AFFINE4, AFFINE5, SCALED8, FINE8)
-PAIRED = (AFFINE4, AFFINE5)  # two inputs per step of the codes
+GRIDS = (AFFINE4, SCALED8, FINE8)
 # Weights already rebuilt in fp32 (codes: fp32 [tiles, K, 16]): calls of more than MAX_ROWS
 # rows rebuild a tile group once into scratch and run every row over it.
 REBUILT = "rebuilt"
@@ -145,29 +139,12 @@ class GridWeight:
 
 def _codes(kind: str, codes: np.ndarray) -> np.ndarray:
     """A grid's codes, one per weight: int8 [tiles, K, 16]."""
-    if kind not in PAIRED:
+    if kind != AFFINE4:
         return codes.view(np.int8) if codes.dtype == np.uint8 else codes
     tiles, pairs = codes.shape[:2]
-    nibbles = codes[:, :, :LANES]
     q = np.empty((tiles, pairs * 2, LANES), dtype=np.uint8)
-    q[:, 0::2], q[:, 1::2] = nibbles & 15, nibbles >> 4
-    if kind == AFFINE5:
-        word = np.ascontiguousarray(codes[:, :, LANES:]).view("<u4")  # [tiles, pairs, 1]
-        lanes = np.arange(LANES, dtype=np.uint32)
-        q[:, 0::2] |= (((word >> lanes) & 1) << 4).astype(np.uint8)
-        q[:, 1::2] |= (((word >> (lanes + LANES)) & 1) << 4).astype(np.uint8)
+    q[:, 0::2], q[:, 1::2] = codes & 15, codes >> 4
     return q.view(np.int8)
-
-
-def _pack5(q: np.ndarray) -> np.ndarray:
-    """Codes 0..31 uint8 [tiles, K, 16] in the 5-bit layout [tiles, K / 2, 20]."""
-    nibbles = (q[:, 0::2] & 15) | ((q[:, 1::2] & 15) << np.uint8(4))
-    lanes = np.arange(LANES, dtype=np.uint32)
-    high = (q >> 4).astype(np.uint32) & 1
-    word = ((high[:, 0::2] << lanes) | (high[:, 1::2] << (lanes + LANES))).sum(axis=2)
-    bits = np.ascontiguousarray(word.astype("<u4")).view(np.uint8)
-    bits = bits.reshape(q.shape[0], q.shape[1] // 2, 4)
-    return np.ascontiguousarray(np.concatenate((nibbles, bits), axis=2))
 
 
 def block_of(kind: str) -> int:
@@ -286,16 +263,16 @@ def holds(grid: GridWeight, weight: torch.Tensor) -> bool:
     if tuple(weight.shape) != (grid.out_features, grid.in_features):
         return False
     scales = _fp32_scales(grid.scales)  # [tiles, blocks, 2, 16]
-    codes = grid.codes.view(np.uint8) if grid.kind in PAIRED else grid.codes
+    codes = grid.codes.view(np.uint8) if grid.kind == AFFINE4 else grid.codes
     return bool(_holds(weight.detach().contiguous().numpy(), codes, scales))
 
 
 @jit(nogil=True, error_model="numpy")
 def _holds(w: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> bool:
-    """`holds` over the arrays: codes uint8 [tiles, K / 2, 16 or 20] (4-bit or 5-bit pairs)
-    or int8 [tiles, K, 16]; scales fp32 [tiles, K / block, 2, 16] (d, m)."""
+    """`holds` over the arrays: codes uint8 [tiles, K / 2, 16] (4-bit pairs) or int8
+    [tiles, K, 16]; scales fp32 [tiles, K / block, 2, 16] (d, m)."""
     tiles, k = scales.shape[0], w.shape[1]
-    paired, five = codes.shape[1] * 2 == k, codes.shape[2] == PAIR5_BYTES
+    paired = codes.shape[1] * 2 == k
     block = k // scales.shape[1]
     for t in range(tiles):
         for i in range(k):
@@ -303,12 +280,7 @@ def _holds(w: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> bool:
             for j in range(LANES):
                 if paired:
                     byte = np.int64(codes[t, i // 2, j])
-                    code = byte & 15 if i % 2 == 0 else byte >> 4
-                    if five:
-                        bit = j + LANES * (i % 2)
-                        high = np.int64(codes[t, i // 2, LANES + bit // 8])
-                        code |= ((high >> (bit % 8)) & 1) << 4
-                    q = np.float32(code)
+                    q = np.float32(byte & 15 if i % 2 == 0 else byte >> 4)
                 else:
                     q = np.float32(codes[t, i, j])
                 value = np.float32(scales[t, b, 0, j] * q) + scales[t, b, 1, j]
@@ -323,8 +295,8 @@ def from_codes(
     """The grid of a weight known to be fp32(d * q) + m in each run of inputs (a GGUF
     file's blocks): codes int8 [out_features, in_features] in low..high; d and m
     [out_features, runs], fp16 or fp32. Runs of GRID_BLOCK inputs give AFFINE4 where the
-    codes fit 0..15, AFFINE5 where they fit 0..31, else SCALED8 (whose kernels add m
-    too), with scales of d's type;
+    codes fit 0..15, else SCALED8 (whose kernels add m too: a 5-bit code takes 8 bits,
+    which decodes faster than 5 packed bits), with scales of d's type;
     runs of FINE_BLOCK give FINE8 (fp32 scales). None where the shape does not tile."""
     n, k = codes.shape
     if not shape_supported(n, k) or m.shape != d.shape or d.dtype != m.dtype:
@@ -342,8 +314,6 @@ def from_codes(
     elif low >= 0 and high <= 15:
         kind, q = AFFINE4, tiled.view(np.uint8)
         packed = np.ascontiguousarray(q[:, 0::2] | (q[:, 1::2] << np.uint8(4)))
-    elif low >= 0 and high <= 31:
-        kind, packed = AFFINE5, _pack5(np.ascontiguousarray(tiled, dtype=np.uint8))
     else:
         kind, packed = SCALED8, np.ascontiguousarray(tiled, dtype=np.int8)
     scales = np.stack((d, m), axis=1)  # [n, 2, runs]
@@ -464,8 +434,7 @@ def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, dm: Any) ->
     values codes[at:], as they are; BF16 and FP16: their 16 values widened (dm unused)."""
     if not isinstance(kind, types.StringLiteral):
         return None
-    affine = kind.literal_value in PAIRED
-    five = kind.literal_value == AFFINE5
+    affine = kind.literal_value == AFFINE4
     rebuilt = kind.literal_value == REBUILT
     narrow = kind.literal_value if kind.literal_value in (BF16, FP16) else None
 
@@ -504,22 +473,6 @@ def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, dm: Any) ->
                 builder.and_(wide, ir.Constant(i32, [15] * LANES)),
                 builder.lshr(wide, ir.Constant(i32, [4] * LANES)),
             ]
-            if five:  # bit 4 of each code from the uint32 after the nibbles
-                data = context.make_array(signature.args[2])(context, builder, args[2]).data
-                at = builder.add(args[3], ir.Constant(args[3].type, LANES))
-                pointer = builder.bitcast(builder.gep(data, [at]), ir.IntType(32).as_pointer())
-                word = builder.load(pointer, align=1)
-                words = builder.insert_element(
-                    ir.Constant(i32, ir.Undefined), word, ir.Constant(ir.IntType(32), 0)
-                )
-                words = builder.shuffle_vector(
-                    words, ir.Constant(i32, ir.Undefined), ir.Constant(i32, [0] * LANES)
-                )
-                one, four = ir.Constant(i32, [1] * LANES), ir.Constant(i32, [4] * LANES)
-                for h in range(2):
-                    shifts = ir.Constant(i32, [h * LANES + j for j in range(LANES)])
-                    bit = builder.and_(builder.lshr(words, shifts), one)
-                    codes[h] = builder.or_(codes[h], builder.shl(bit, four))
         else:
             codes = [builder.sext(raw, i32)]
         for i, code in enumerate(codes):
@@ -563,12 +516,11 @@ def gemm_kernel(
     gate tile j into out tile `first` + j (add unused). The product itself is never
     written: each worker takes the SiLU of its own tiles while they are in registers."""
     k, parts = in_features, len(ends)
-    tb, steps = group_tiles or tiles_per_group(rows), 2 if kind in PAIRED else 1
+    tb, steps = group_tiles or tiles_per_group(rows), 2 if kind == AFFINE4 else 1
     scaled = kind not in DENSE  # weights on no grid have no scales
     block = block_of(kind)
     blocks = k // block
-    unit = PAIR5_BYTES if kind == AFFINE5 else LANES  # codes of one step of a tile
-    code_row = k // steps * unit  # codes of one tile
+    code_row = k // steps * LANES  # codes of one tile
     half = tb // 2  # with silu: the group's gate tiles, then as many of up
     values = half * rows * LANES  # with silu: the group's outputs
 
@@ -613,7 +565,7 @@ def gemm_kernel(
                             sat = (tile * blocks + i // block) * 2 * LANES
                             _block_scales(dm[b], scales, sat)
                     for b in range(tb):
-                        at = tile_of(group, b, tiles) * code_row + i // steps * unit
+                        at = tile_of(group, b, tiles) * code_row + i // steps * LANES
                         _dequant(w[b], kind, codes, at, dm[b])
                     for h in range(steps):
                         for r in range(rows):
@@ -662,9 +614,8 @@ def gemm_all_rows(
 
     silu: out [M, out_features / 32, 16] gets silu(gate) * up of the product of a [gate |
     up] weight, as `gemm_kernel` gives it."""
-    k, steps = in_features, 2 if kind in PAIRED else 1
-    unit = PAIR5_BYTES if kind == AFFINE5 else LANES  # codes of one step of a tile
-    code_row = k // steps * unit
+    k, steps = in_features, 2 if kind == AFFINE4 else 1
+    code_row = k // steps * LANES
     block = block_of(kind)
     blocks = k // block
     scaled = kind not in DENSE
@@ -708,7 +659,7 @@ def gemm_all_rows(
                     if scaled:
                         _block_scales(dm, scales, (t * blocks + i0 // block) * 2 * LANES)
                     for i in range(i0, i0 + block, steps):
-                        _dequant(w[b, i:], kind, codes, t * code_row + i // steps * unit, dm)
+                        _dequant(w[b, i:], kind, codes, t * code_row + i // steps * LANES, dm)
             first = group * half if silu else t0
             for r0 in range(first_row, m, row_step):
                 rows = min(SCRATCH_ROWS, m - r0)

@@ -74,7 +74,7 @@ def test_a_weight_takes_the_grid_of_the_files_blocks_where_they_give_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Q5_1-like gate/up weights and LM head (5-bit codes with offsets: no grid in their
-    values) come from the file's blocks; the 5-bit LM head gets no 8-bit argmax."""
+    values) come from the file's blocks; the LM head with offsets gets no 8-bit argmax."""
     model = grid_model(seed=3)
     rng = np.random.default_rng(8)
     blocks = {}
@@ -88,20 +88,20 @@ def test_a_weight_takes_the_grid_of_the_files_blocks_where_they_give_it(
         weight.copy_(torch.from_numpy(grid.dense()))
     model.gguf_grids = blocks
     grid, source = weight_grid(weight, "embed_tokens.weight", blocks)
-    assert grid.kind == grid_gemm.AFFINE5 and "blocks" in source
+    assert grid.kind == grid_gemm.SCALED8 and "blocks" in source
     assert torch.equal(grid.dense(), weight)
     assert grid_gemm.to_grid(weight) is None
     reference = copy.deepcopy(model)
     with caplog.at_level(logging.INFO, logger="pagedinfer.kernels.cpu.executor"):
         executor = cpu.prepare(model, BLOCK_SIZE)
     assert executor is not None and executor.mode == "grid"
-    assert executor.fused.kinds == (grid_gemm.AFFINE4,) * 2 + (grid_gemm.AFFINE5,) + (
+    assert executor.fused.kinds == (grid_gemm.AFFINE4,) * 2 + (grid_gemm.SCALED8,) + (
         grid_gemm.AFFINE4,
-        grid_gemm.AFFINE5,
+        grid_gemm.SCALED8,
     )
     assert executor.argmax is None
     said = " ".join(r.getMessage() for r in caplog.records)
-    assert "gate_up affine5 (from the file's blocks)" in said
+    assert "gate_up scaled8 (from the file's blocks)" in said
     assert "qkv affine4 (found in the fp32 values)" in said
     prompt = [(0, list(range(3, 30)), 0)]
     torch.testing.assert_close(

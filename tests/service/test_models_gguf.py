@@ -219,8 +219,8 @@ QUANT_CONFIG = {
 # GGUF tensor name prefix -> type, first match wins; each plan with the grid kinds the
 # executor's positions get (q/k/v, o, gate/up, down, LM head).
 QUANT_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
-    # Every 32-wide type: Q4_0 with Q4_1 parts (4-bit), Q5_0 beside Q8_0 layers (5-bit
-    # and 8-bit: fine), Q5_1 (5-bit), Q8_0 (8-bit).
+    # Every 32-wide type, one kind per position: Q4_0 with Q4_1 parts (4-bit), Q5_0 and
+    # Q8_0 layers (8-bit, codes -16..15 and -128..127), Q5_1 (8-bit with offsets).
     "grid_types": (
         {
             "blk.0.attn_q": "Q4_0",
@@ -240,7 +240,7 @@ QUANT_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
             "output.": "Q8_0",
             "token_embd": "Q8_0",
         },
-        ("affine4", "fine8", "affine5", "scaled8", "scaled8"),
+        ("affine4", "scaled8", "scaled8", "scaled8", "scaled8"),
     ),
     # As llama-quantize's Q4_K_M mixes them: q/k/v of Q5_0 and Q8_0 parts, down Q6_K in
     # one layer and Q4_K in the other (both fine 8-bit grids), K-quant embeddings.
@@ -254,10 +254,10 @@ QUANT_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
             "output.": "Q8_0",
             "token_embd": "Q4_K",
         },
-        ("scaled8", "affine5", "affine5", "fine8", "scaled8"),
+        ("scaled8", "scaled8", "scaled8", "fine8", "scaled8"),
     ),
     # Q4_K_M of a model whose rows are multiples of 256: Q4_K (4-bit codes with fp32
-    # scales per 32), Q5_K (5-bit codes, fp32 scales per 32), Q6_K (fine: per 16).
+    # scales per 32), Q5_K (8-bit codes, fp32 scales per 32), Q6_K (fine: per 16).
     "k_quants": (
         {
             "blk.0.ffn_down": "Q6_K",
@@ -268,11 +268,11 @@ QUANT_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
             "output.": "Q6_K",
             "token_embd": "Q4_K",
         },
-        ("affine4", "affine5", "affine4", "fine8", "fine8"),
+        ("affine4", "scaled8", "affine4", "fine8", "fine8"),
     ),
     # The other types: K-quant parts beside an fp32 layer (rebuilt), Q4_0 beside Q8_0
-    # layers and Q6_K (fine), F16 and BF16 (rebuilt), and a Q5_1 LM head (5-bit: no
-    # 8-bit argmax).
+    # layers and Q6_K (fine), F16 and BF16 (rebuilt), and a Q5_1 LM head (8-bit with
+    # offsets: no 8-bit argmax).
     "the_rest": (
         {
             "blk.0.attn_q": "Q2_K",
@@ -288,7 +288,7 @@ QUANT_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
             "blk.1.ffn_down": "Q6_K",
             "output.": "Q5_1",
         },
-        ("rebuilt", "fine8", "rebuilt", "fine8", "affine5"),
+        ("rebuilt", "fine8", "rebuilt", "fine8", "scaled8"),
     ),
 }
 # The K-quants' d (and dmin) for weights of a few hundredths, from random codes and scales.
