@@ -279,7 +279,7 @@ def _holds(w: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> bool:
             b = i // block
             for j in range(LANES):
                 if paired:
-                    byte = np.int64(codes[t, i // 2, j])
+                    byte = codes[t, i // 2, j]
                     q = np.float32(byte & 15 if i % 2 == 0 else byte >> 4)
                 else:
                     q = np.float32(codes[t, i, j])

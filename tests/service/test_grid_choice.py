@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from paged_cache import BLOCK_SIZE, PagedCache
-from test_fused_step import grid_model, on_grid, prefilled, run
+from test_fused_step import assert_fused_matches_layered, grid_model, on_grid, prefilled
 
 from pagedinfer.kernels import cpu, torch_ops
 from pagedinfer.kernels.cpu import grid_gemm
@@ -54,12 +54,8 @@ def test_each_position_takes_one_kind_or_its_fp32_tiles() -> None:
     assert executor is not None and executor.mode == "grid"
     kinds = (grid_gemm.AFFINE4, grid_gemm.SCALED8, grid_gemm.REBUILT, grid_gemm.FINE8)
     assert executor.fused.kinds == (*kinds, grid_gemm.SCALED8)
-    base = prefilled(executor, [20, 33])
     chunks = [(0, [5], 20), (1, [1, 2, 3, 4, 5], 33)]
-    fused_cache, layered_cache = base.copy(), base.copy()
-    fused = run(fused_cache, executor, chunks, fused=True)
-    assert torch.equal(fused, run(layered_cache, executor, chunks, fused=False))
-    assert fused_cache.equals(layered_cache)
+    assert_fused_matches_layered(executor, prefilled(executor, [20, 33]), chunks)
     cache = PagedCache(reference.config, 1, 40, seed=3)
     prompt = [(0, list(range(3, 30)), 0)]
     torch.testing.assert_close(
@@ -163,12 +159,8 @@ def test_a_bf16_checkpoint_served_in_fp32_runs_from_its_16_bits() -> None:
     assert executor is not None and executor.mode == "rebuilt"
     assert executor.fused.kinds == (grid_gemm.BF16,) * 5
     assert all(codes.dtype == np.uint16 for codes in executor.fused.codes)
-    base = prefilled(executor, [20, 33])
     chunks = [(0, [5], 20), (1, [1, 2, 3, 4, 5], 33)]
-    fused_cache, layered_cache = base.copy(), base.copy()
-    fused = run(fused_cache, executor, chunks, fused=True)
-    assert torch.equal(fused, run(layered_cache, executor, chunks, fused=False))
-    assert fused_cache.equals(layered_cache)
+    assert_fused_matches_layered(executor, prefilled(executor, [20, 33]), chunks)
     prompt = [(0, list(range(3, 30)), 0)]
     torch.testing.assert_close(
         PagedCache(reference.config, 1, 40, seed=3).step(executor, prompt)[0],
