@@ -20,7 +20,11 @@ imported only when its kernels are first needed, so CPU serving does not need it
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import os
+import sys
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -113,3 +117,25 @@ def paged_attention(
     if use_triton(query):
         return _triton_ops().paged_attention(*args, sliding_window=sliding_window)
     return torch_ops.paged_attention(*args, plan=plan, sliding_window=sliding_window)
+
+
+def _yield_top_level_name() -> None:
+    """Load the installed top-level package `kernels` in place of this folder.
+
+    With a checkout's root on sys.path (`python -m ...` or `python -c` run there), this
+    folder is found as a top-level package `kernels` and would shadow the PyPI package of
+    that name, which transformers imports. pagedinfer imports this folder only as
+    `pagedinfer.kernels`; where no other `kernels` is installed, the folder stays as found.
+    """
+    root = Path(__file__).resolve().parent.parent
+    elsewhere = [p for p in sys.path if Path(p or ".").resolve() != root]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", elsewhere)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module  # the import statement returns what sys.modules holds
+    spec.loader.exec_module(module)
+
+
+if __name__ == "kernels":
+    _yield_top_level_name()
