@@ -22,7 +22,20 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedinfer.kernels.cpu.numba_support import FASTMATH, exp_into, fp32_cpu, jit, lanes_silu_times
+from pagedinfer.kernels.cpu.numba_support import (
+    FASTMATH,
+    exp_into,
+    fp32_cpu,
+    jit,
+    lanes_add,
+    lanes_copy,
+    lanes_div,
+    lanes_fma,
+    lanes_mul,
+    lanes_silu_times,
+    lanes_sum,
+    stack_array,
+)
 
 LANES = 16  # `silu_times` works on vectors of 16 fp32 values: a GEMM tile's outputs
 
@@ -92,14 +105,45 @@ def _rows(x: torch.Tensor) -> np.ndarray:
 
 @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
 def rms_norm_rows(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.ndarray) -> None:
+    """out = x / sqrt(mean(x^2) + eps) * weight, per row of x [tokens, hidden].
+
+    Every step is an exact lane op in a fixed order: the squares summed in 16 lanes by
+    fused multiply-adds, then across the lanes by halving, then scaled. Left to fast math,
+    LLVM summed and scaled a row in one order here and in another where the fused step
+    inlines this kernel (on AVX2), and the two paths' outputs came an ulp apart."""
     hidden = x.shape[1]
+    whole = hidden - hidden % LANES  # the rest of a row goes in lanes of its own
+    acc = stack_array((LANES,))
+    rest = stack_array((3, LANES))  # the rest of a row, then of its weight and output
     for t in range(x.shape[0]):
-        total = np.float32(0.0)
-        for i in range(hidden):
-            total += x[t, i] * x[t, i]
-        scale = np.float32(1.0) / np.sqrt(total / np.float32(hidden) + eps)
-        for i in range(hidden):
-            out[t, i] = x[t, i] * scale * weight[i]
+        row, out_row = x[t], out[t]
+        lanes_copy(acc, np.float32(0.0), LANES)
+        for c in range(0, whole, LANES):
+            lanes_fma(acc, row[c : c + LANES], row[c : c + LANES], LANES)
+        if whole < hidden:
+            lanes_copy(rest[0], np.float32(0.0), LANES)
+            lanes_copy(rest[1], np.float32(0.0), LANES)
+            for i in range(hidden - whole):
+                rest[0, i] = row[whole + i]
+                rest[1, i] = weight[whole + i]
+            lanes_fma(acc, rest[0], rest[0], LANES)
+        # 1 / sqrt(sum / hidden + eps), each operation rounded once, in lane 0.
+        lanes_copy(acc, lanes_sum(acc, LANES), LANES)
+        lanes_div(acc, acc, np.float32(hidden), LANES)
+        lanes_add(acc, eps, LANES)
+        lanes_copy(acc, np.sqrt(acc[0]), LANES)
+        scale = acc[0]
+        lanes_copy(acc, np.float32(1.0), LANES)
+        lanes_div(acc, acc, scale, LANES)
+        scale = acc[0]
+        for c in range(0, whole, LANES):
+            lanes_mul(out_row[c : c + LANES], row[c : c + LANES], scale, LANES)
+            lanes_mul(out_row[c : c + LANES], out_row[c : c + LANES], weight[c : c + LANES], LANES)
+        if whole < hidden:
+            lanes_mul(rest[2], rest[0], scale, LANES)
+            lanes_mul(rest[2], rest[2], rest[1], LANES)
+            for i in range(hidden - whole):
+                out_row[whole + i] = rest[2, i]
 
 
 @jit(fastmath=FASTMATH, inline="always", error_model="numpy")
