@@ -22,6 +22,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -355,17 +356,93 @@ def _fused_projections(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
     }
 
 
+# safetensors dtype names -> torch dtypes.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class _StoredTensor:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # byte offsets in the file
+    stop: int
+
+
+def _safetensors_index(handle: Any, file: Path) -> list[_StoredTensor]:
+    """The tensors of an open safetensors file (an 8-byte header length, a JSON header of
+    name -> dtype, shape and data offsets, then the data), in file order. Raises
+    ValueError naming the file for anything malformed or truncated."""
+    size = os.fstat(handle.fileno()).st_size
+    prefix = handle.read(8)
+    if len(prefix) < 8:
+        raise ValueError(f"{file.name}: not a safetensors file (shorter than its header)")
+    header_len = int.from_bytes(prefix, "little")
+    if header_len > size - 8:
+        raise ValueError(f"{file.name}: not a safetensors file (header past the file's end)")
+    try:
+        header = json.loads(handle.read(header_len))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{file.name}: unreadable safetensors header ({err})") from None
+    base = 8 + header_len
+    tensors = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(entry.get("dtype"))
+        if dtype is None:
+            raise ValueError(
+                f"{file.name}: tensor {name!r} has unsupported dtype {entry.get('dtype')!r}"
+            )
+        shape = tuple(int(n) for n in entry["shape"])
+        begin, end = (base + int(o) for o in entry["data_offsets"])
+        if end - begin != math.prod(shape) * dtype.itemsize or end > size:
+            raise ValueError(
+                f"{file.name}: tensor {name!r} does not fit its offsets (truncated file?)"
+            )
+        tensors.append(_StoredTensor(name, dtype, shape, begin, end))
+    return sorted(tensors, key=lambda t: t.start)
+
+
+def _read_into(handle: Any, stored: _StoredTensor, target: torch.Tensor, file: Path) -> None:
+    """Read one stored tensor into `target` (its shape): straight into its memory where it
+    is a contiguous CPU tensor of the stored dtype, else through a staging copy."""
+    direct = target.device.type == "cpu" and target.dtype == stored.dtype and target.is_contiguous()
+    staging = target if direct else torch.empty(stored.shape, dtype=stored.dtype)
+    handle.seek(stored.start)
+    # Bytes of the tensor's storage (a uint8 view: numpy has no bf16).
+    read = handle.readinto(staging.view(-1).view(torch.uint8).numpy())
+    if read != stored.stop - stored.start:
+        raise ValueError(f"{file.name}: tensor {stored.name!r} is cut short (truncated file?)")
+    if not direct:
+        target.copy_(staging)
+
+
 def _load_weights(module: DecoderModel, weight_files: list[Path]) -> None:
     """Copy checkpoint tensors into the fused parameters; every parameter must be filled."""
-    from safetensors import safe_open
-
     config = module.config
     fused = _fused_projections(config)
     params = dict(module.named_parameters())
     filled: dict[str, int] = {}  # our parameter -> output features written
     for weight_file in weight_files:
-        with safe_open(str(weight_file), framework="pt", device="cpu") as f:
-            for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+        # Plain reads rather than a memory map: each tensor goes once from the file into
+        # its parameter, and the file's pages never count in this process's resident set.
+        with open(weight_file, "rb") as handle:
+            for stored in _safetensors_index(handle, weight_file):
+                hf_name = stored.name
                 if "rotary_emb." in hf_name:
                     continue  # old checkpoints store inv_freq; we compute it
                 if hf_name == "lm_head.weight" and config.tie_word_embeddings:
@@ -379,16 +456,15 @@ def _load_weights(module: DecoderModel, weight_files: list[Path]) -> None:
                         break
                 if target not in params:
                     raise ValueError(f"{weight_file.name}: unexpected tensor {hf_name!r}")
-                tensor = f.get_tensor(hf_name)
                 param = params[target].data
                 view = param[slice(start, stop)]  # this tensor's output features in param
-                if view.shape != tensor.shape:
+                if view.shape != stored.shape:
                     raise ValueError(
-                        f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
+                        f"{hf_name}: shape {stored.shape} does not match the config "
                         f"(expected {tuple(view.shape)})"
                     )
-                view.copy_(tensor)
-                filled[target] = filled.get(target, 0) + tensor.shape[0]
+                _read_into(handle, stored, view, weight_file)
+                filled[target] = filled.get(target, 0) + stored.shape[0]
     missing = [n for n, p in params.items() if filled.get(n, 0) != p.shape[0]]
     if missing:
         raise ValueError(f"checkpoint is missing weights for: {missing[:5]}")

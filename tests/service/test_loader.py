@@ -206,6 +206,56 @@ def test_missing_weights_are_refused(make_tiny_model: Callable[..., Path], tmp_p
         load_model(str(tmp_path), CPU, torch.float32)
 
 
+def copy_model(source: Path, target: Path) -> Path:
+    for file in source.iterdir():
+        (target / file.name).write_bytes(file.read_bytes())
+    return target
+
+
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_load_exactly_as_stored(
+    make_tiny_model: Callable[..., Path], tmp_path: Path, stored: torch.dtype, dtype: torch.dtype
+) -> None:
+    """Each parameter holds the file's tensor (q/k/v and gate/up fused), converted to the
+    dtype asked for, whatever the dtype the file stores."""
+    from safetensors.torch import load_file, save_file
+
+    path = copy_model(make_tiny_model("qwen2"), tmp_path)
+    weights = {k: v.to(stored) for k, v in load_file(path / "model.safetensors").items()}
+    save_file(weights, path / "model.safetensors")
+    params = dict(load_model(str(path), CPU, dtype).model.named_parameters())
+    for i in range(2):
+        prefix = f"model.layers.{i}."
+        qkv = torch.cat([weights[prefix + f"self_attn.{p}_proj.weight"] for p in "qkv"])
+        assert torch.equal(params[f"layers.{i}.self_attn.qkv_proj.weight"], qkv.to(dtype))
+        qkv_bias = torch.cat([weights[prefix + f"self_attn.{p}_proj.bias"] for p in "qkv"])
+        assert torch.equal(params[f"layers.{i}.self_attn.qkv_proj.bias"], qkv_bias.to(dtype))
+        down = weights[prefix + "mlp.down_proj.weight"]
+        assert torch.equal(params[f"layers.{i}.mlp.down_proj.weight"], down.to(dtype))
+    embed = weights["model.embed_tokens.weight"].to(dtype)
+    assert torch.equal(params["embed_tokens.weight"], embed)
+
+
+def test_truncated_weights_are_refused(
+    make_tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    path = copy_model(make_tiny_model("llama"), tmp_path)
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) - 100])
+    with pytest.raises(ValueError, match=r"model\.safetensors: tensor .* \(truncated file\?\)"):
+        load_model(str(path), CPU, torch.float32)
+
+
+def test_a_file_that_is_not_safetensors_is_refused(
+    make_tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    path = copy_model(make_tiny_model("llama"), tmp_path)
+    (path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}......")
+    with pytest.raises(ValueError, match=r"model\.safetensors: unreadable safetensors header"):
+        load_model(str(path), CPU, torch.float32)
+
+
 # --- refusals, named -----------------------------------------------------------------
 
 
