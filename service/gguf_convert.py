@@ -79,6 +79,8 @@ _SCALARS = {
 }
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?"}
 _NUMPY.update({10: "<u8", 11: "<i8", 12: "<f8"})
+
+
 @dataclass(frozen=True)
 class Header:
     """A GGUF file's metadata (key -> value; arrays as lists) and its tensors."""

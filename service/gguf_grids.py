@@ -117,6 +117,9 @@ class BlockGrids(Mapping[str, gguf_quants.BlockGrid]):
             grids.append(grid)
         return grids[0] if len(grids) == 1 else gguf_quants.concatenate(grids)
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._parts  # without reading the blocks, as Mapping's would
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._parts)
 

@@ -21,8 +21,13 @@ model's dense copies of the GEMM weights are released.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
+import os
+import signal
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +54,9 @@ from pagedinfer.kernels.validation import check_paged_attention, check_write_kv
 log = logging.getLogger(__name__)
 
 WARM_UP_THREAD = "cpu-executor-warm-up"
+# How long a child process may take to compile the kernels before the server gives up
+# on it and compiles them itself.
+CHILD_COMPILE_TIMEOUT_S = 1800.0
 
 # The architecture features (a model config's `features()`) this executor implements.
 # Rotary scalings only change the cos/sin table, which it reads from the model.
@@ -201,6 +209,53 @@ class CpuExecutor:
             return
         self._ready.set()
 
+    def warm_up_in_background(self, block_size: int, cached: bool = False) -> None:
+        """`build_and_warm_up` for a serving process: kernels not yet in the disk cache are
+        compiled in a child process first (`compile_in_child`), and this one then only
+        loads them, so that LLVM's memory never becomes this process's."""
+        if self.compiled and not cached:
+            cached = self.compile_in_child(block_size)
+        self.build_and_warm_up(block_size, cached)
+
+    def compile_in_child(self, block_size: int) -> bool:
+        """Compile every kernel serving will call into numba's disk cache in a forked
+        child: it shares the weights copy-on-write, builds and warms up an executor of
+        its own, and exits. A process that compiles keeps about 0.5 GiB of LLVM's memory
+        for life; the child's is returned when it exits. Returns whether the kernels are
+        cached now; False where there is no fork or no writable cache, or the child
+        failed (the caller then compiles them itself)."""
+        from pagedinfer.kernels.cpu.compile_record import record_directory
+
+        directory = record_directory()
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            return False
+        if not hasattr(os, "fork") or not os.access(directory, os.W_OK):
+            return False
+        started = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            _compile_and_exit(self.model, self.mode, block_size)
+        log.info("CPU executor: compiling the kernels in a child process (pid %d)", pid)
+        deadline = started + CHILD_COMPILE_TIMEOUT_S
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                done, status = os.waitpid(pid, 0)
+                log.warning("CPU executor: the compiling child timed out; compiling here")
+                return False
+            time.sleep(0.5)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0:
+            log.warning("CPU executor: the compiling child failed (exit %d); compiling here", code)
+            return False
+        log.info("CPU executor: kernels compiled in %.0f s", time.monotonic() - started)
+        return True
+
     def _run_warm_up_batches(self, block_size: int, cached: bool = False) -> None:
         config = self.config
         num_blocks = max(8, 2 * -(-16 // block_size))  # room for the steps below at any size
@@ -216,6 +271,10 @@ class CpuExecutor:
         # which numba compiles as a kernel variant of its own.
         prompt = min(2 * block_size + 3, num_blocks // 2 * block_size - 8)
         steps = [[(0, prompt), (1, 5)], [(0, 1), (1, 1)], [(0, 4), (1, 1)], [(0, 1)]]
+        if cached and self.fused is not None:
+            # Loading the fused step's variants needs only their argument types: no long
+            # prompt (the slowest step to run).
+            steps = steps[1:]
         fused_paths = (False,) if self.fused is None else (True,) if cached else (True, False)
         for use_fused in fused_paths:
             lengths = [0, 0]
@@ -606,6 +665,26 @@ def weight_grid(weight: torch.Tensor, name: str, file_grids: Any) -> tuple[Any, 
     return grid, "" if grid is None else "(found in the fp32 values)"
 
 
+def _compile_and_exit(model: nn.Module, mode: str, block_size: int) -> None:
+    """The forked child of `compile_in_child`: warm up an executor of its own (which
+    compiles its kernels into the disk cache), then leave without running any of the
+    parent's clean-up. It dies with the thread that forked it, and runs torch on one
+    thread (the parent's OpenMP pool does not exist in a fork)."""
+    code = 1
+    try:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        torch.set_num_threads(1)
+        executor = CpuExecutor(model, mode, compiled=True)
+        executor.build_and_warm_up(block_size)
+        code = 0 if executor.ready else 1
+    except BaseException:  # reported by the exit code: nothing may escape a fork
+        log.exception("CPU executor: compiling in the child failed")
+    finally:
+        logging.shutdown()
+        os._exit(code)
+
+
 def find_grids(model: nn.Module) -> tuple[list[list[Any]], Any] | None:
     """Every GEMM weight's quantisation grid (`choose_grids` with no position rebuilt), or
     None where one has none, or a GEMM has a bias."""
@@ -649,11 +728,12 @@ def prepare(
     for its dtype here.
 
     Compiles the kernels serving will call (numba's disk cache makes this fast after the
-    first start) before returning, or with background=True in a thread while the caller
-    keeps serving on the torch forward: `ready` then turns true, and the caller calls
-    `activate` between steps. cached: the kernels are known to be in the disk cache
-    (`compile_record`); then only the fused step is warmed up, and the layer-by-layer
-    path (steps past the fused step's size) loads its kernels on first use.
+    first start) before returning, or with background=True in a thread (compiling in a
+    child process, `compile_in_child`) while the caller keeps serving on the torch
+    forward: `ready` then turns true, and the caller calls `activate` between steps.
+    cached: the kernels are known to be in the disk cache (`compile_record`); then only
+    the fused step is warmed up, and the layer-by-layer path (steps past the fused
+    step's size) loads its kernels on first use.
     """
     missing = unsupported_features(model.config)
     if missing:
@@ -667,7 +747,7 @@ def prepare(
     executor = CpuExecutor(model, *choice)
     if background:
         threading.Thread(
-            target=executor.build_and_warm_up,
+            target=executor.warm_up_in_background,
             args=(block_size, cached),
             name=WARM_UP_THREAD,
             daemon=True,

@@ -180,7 +180,7 @@ def test_runs_as_the_non_root_uid_the_chart_expects():
 def test_one_image_runs_serve_and_operator():
     assert FINAL.all("ENTRYPOINT") == ['["pagedinfer"]']
     assert FINAL.all("CMD") == ['["serve"]']
-    assert PYPROJECT["project"]["scripts"]["pagedinfer"] == "pagedinfer.service.cli:main"
+    assert PYPROJECT["project"]["scripts"]["pagedinfer"] == "pagedinfer.service.cli:entry"
     from pagedinfer.service.cli import COMMANDS
 
     assert {"serve", "operator"} <= set(COMMANDS)

@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -172,3 +177,49 @@ def test_the_same_configuration_always_takes_the_same_path() -> None:
     config = dataclasses.replace(ModelConfig(**BASE))
     modes = {cpu.executor.choose_mode(random_model(config, seed)) for seed in range(3)}
     assert len(modes) == 1
+
+
+# Run in a fresh interpreter: this process's kernels are already compiled in memory.
+CHILD_COMPILE_SCRIPT = """
+import gc, json, logging, sys
+import numba, torch
+sys.path.insert(0, sys.argv[1])
+from test_cpu_executor import BASE, random_model
+from pagedinfer.kernels import cpu
+from pagedinfer.service.models import ModelConfig
+logging.basicConfig(level=logging.INFO)
+model = random_model(ModelConfig(**BASE))
+executor = cpu.prepare(model, 16, background=True)
+if executor is None or not executor.compiled:
+    print(json.dumps(None)); sys.exit()
+assert executor.wait_ready(timeout=900), executor.error
+dispatchers = [o for o in gc.get_objects() if isinstance(o, numba.core.dispatcher.Dispatcher)]
+print(json.dumps({
+    "hits": sum(sum(d._cache_hits.values()) for d in dispatchers),
+    "misses": sum(sum(d._cache_misses.values()) for d in dispatchers),
+}))
+"""
+
+
+def test_a_background_warm_up_compiles_in_a_child_and_only_loads_here(
+    tmp_path: Path,
+) -> None:
+    """The server's warm-up compiles its kernels in a forked child (LLVM's memory is
+    never the server's); this process then loads every kernel from numba's disk cache
+    (empty at first) and compiles none itself."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    env.pop("PAGEDINFER_NUMBA_PREBUILT", None)
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD_COMPILE_SCRIPT, str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    if counts is None:
+        pytest.skip("no compiled CPU kernels on this machine")
+    assert "compiling the kernels in a child process" in done.stderr
+    assert counts["misses"] == 0, done.stderr[-3000:]
+    assert counts["hits"] > 0

@@ -64,6 +64,19 @@ def test_targets_compare_the_worst_run_of_each_kind(startup):
     assert startup.targets_met(runs[3:]).keys() == {"warm_generate_answer_s"}
 
 
+def test_the_tree_peak_counts_a_grandchilds_memory(startup):
+    """A process whose child holds 300 MiB: the sampled peak of the tree counts it."""
+    script = (
+        "import subprocess, sys;"
+        "subprocess.run([sys.executable, '-c', "
+        "'import time; b = bytearray(300 << 20); time.sleep(3)'])"
+    )
+    process = subprocess.Popen([sys.executable, "-c", script])
+    tree = startup.TreePeak(process.pid, interval_s=0.05)
+    process.wait(60)
+    assert tree.stop() > 300
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_one_warm_server_start_reports_every_figure(tmp_path, default_model_dir):
@@ -83,6 +96,7 @@ def test_one_warm_server_start_reports_every_figure(tmp_path, default_model_dir)
     assert run["load"]["streams"] == 2 and run["load"]["output_tokens"] == 4
     assert 0 < run["rss_serving_mib"] <= run["peak_rss_start_mib"]
     assert run["peak_rss_under_load_mib"] >= run["rss_after_load_mib"] > 0
+    assert run["peak_tree_rss_mib"] >= run["rss_serving_mib"] * 0.9  # sampled, not exact
     assert set(printed["targets"]) == {"warm_serve_serving_s", "peak_rss_under_load_gib"}
     assert printed["settings"]["engine_args"] == [
         "--kv-cache-memory",
