@@ -7,8 +7,8 @@ directories; a cold server serves on the torch forward while its kernels compile
 the run waits for them (`kernels_compiled_s`). Warm: a second start over the same
 directories. Each server run then takes a load of concurrent gRPC streams and reports
 its peak resident set (VmHWM), and the peak of the server and its child processes
-together (sampled: what a pod's memory limit counts, a child compiling kernels
-included); a cold server takes the load again once its kernels are compiled.
+together (sampled proportional set sizes: what a pod's memory limit counts, a child
+compiling kernels included); a cold server takes the load again once its kernels are compiled.
 
     python benchmarks/startup.py                          # cold and warm, serve and generate
     python benchmarks/startup.py --modes warm --json benchmarks/results/startup_xeon.json
@@ -140,10 +140,23 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def pss_kib(pid: int) -> int | None:
+    """A process's proportional set size: its resident pages, each shared page divided
+    among the processes that map it, so that a tree's sum counts a page once."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    except OSError:
+        return vm_kib(pid, "VmRSS")
+    return vm_kib(pid, "VmRSS")
+
+
 class TreePeak:
-    """Samples the resident set of a process and all its descendants together (what a
-    pod's memory limit counts: the server and a child compiling its kernels) and keeps
-    the highest sum seen."""
+    """Samples the memory of a process and all its descendants together (what a pod's
+    memory limit counts: the server and a child compiling its kernels, which shares the
+    weights with it) as the sum of their proportional set sizes, and keeps the highest
+    sum seen."""
 
     def __init__(self, pid: int, interval_s: float = 0.2) -> None:
         self.pid = pid
@@ -155,7 +168,7 @@ class TreePeak:
     def _run(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
             pids = [self.pid, *descendants(self.pid)]
-            total = sum(vm_kib(p, "VmRSS") or 0 for p in pids)
+            total = sum(pss_kib(p) or 0 for p in pids)
             self.peak_kib = max(self.peak_kib, total)
 
     def stop(self) -> float | None:
@@ -245,6 +258,7 @@ def run_serve(caches: Caches, streams: int, max_tokens: int, extra: list[str]) -
                 reset_peak_rss(process.pid)
                 result["load_compiled"] = run_load(stub, pb, streams, max_tokens)
                 result["peak_rss_compiled_load_mib"] = mib(vm_kib(process.pid, "VmHWM"))
+                result["rss_after_compiled_load_mib"] = mib(vm_kib(process.pid, "VmRSS"))
             result["peak_tree_rss_mib"] = tree.stop()
         finally:
             tree.stop()

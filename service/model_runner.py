@@ -201,6 +201,7 @@ class ModelRunner:
         executor = self.executor
         if executor is not None and not executor.active and executor.ready:
             executor.activate()
+            memory.release_free_heap()  # the dense weights it released
             log.info("CPU executor: kernels ready, serving every step")
         if executor is not None and executor.active:
             logits, tokens = executor.forward(*args, inputs.logits_indices, inputs.greedy)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -184,13 +185,20 @@ class CpuExecutor:
         self.lm_head = GridGemm(lm_head, orders[4])
         self.argmax = argmax
 
-    def build_and_warm_up(self, block_size: int, cached: bool = False) -> None:
+    def build_and_warm_up(
+        self, block_size: int, cached: bool = False, compile_elsewhere: bool = False
+    ) -> None:
         """Build the GEMMs, then compile (or load from numba's disk cache) every kernel
         serving will call, by running small batches through each path on a scratch cache
         (only the fused step where one serves and the kernels are `cached`). Marks the
         executor ready; an error is kept in `error` and the executor never becomes ready
-        (the model's torch forward keeps serving)."""
+        (the model's torch forward keeps serving).
+
+        compile_elsewhere (a serving process): kernels not known to be cached compile in
+        a forked child first (`compile_in_child`), and this process then only loads them."""
         try:
+            if self.compiled and compile_elsewhere and not cached:
+                cached = self.compile_in_child(block_size)
             self._build()
             log.info(
                 "CPU executor: %s GEMMs, %s ops between them%s",
@@ -209,21 +217,14 @@ class CpuExecutor:
             return
         self._ready.set()
 
-    def warm_up_in_background(self, block_size: int, cached: bool = False) -> None:
-        """`build_and_warm_up` for a serving process: kernels not yet in the disk cache are
-        compiled in a child process first (`compile_in_child`), and this one then only
-        loads them, so that LLVM's memory never becomes this process's."""
-        if self.compiled and not cached:
-            cached = self.compile_in_child(block_size)
-        self.build_and_warm_up(block_size, cached)
-
     def compile_in_child(self, block_size: int) -> bool:
         """Compile every kernel serving will call into numba's disk cache in a forked
-        child: it shares the weights copy-on-write, builds and warms up an executor of
-        its own, and exits. A process that compiles keeps about 0.5 GiB of LLVM's memory
-        for life; the child's is returned when it exits. Returns whether the kernels are
-        cached now; False where there is no fork or no writable cache, or the child
-        failed (the caller then compiles them itself)."""
+        child: it shares the model's weights copy-on-write, builds the executor's form of
+        them, runs the warm-up and exits. A process that compiles keeps about 0.5 GiB of
+        LLVM's memory for life; the child's is returned when it exits (and this process
+        builds its own form only then, so the two never coexist). Returns whether the kernels are cached now; False
+        where there is no fork or no writable cache, or the child failed (the caller
+        then compiles them itself)."""
         from pagedinfer.kernels.cpu.compile_record import record_directory
 
         directory = record_directory()
@@ -234,9 +235,14 @@ class CpuExecutor:
         if not hasattr(os, "fork") or not os.access(directory, os.W_OK):
             return False
         started = time.monotonic()
+        # The child's garbage collections would write to every object's header and so
+        # copy the parent's whole Python heap: the objects that exist now are left out of
+        # them (the child still collects its own: compiling makes much cyclic garbage).
+        gc.freeze()
         pid = os.fork()
         if pid == 0:
-            _compile_and_exit(self.model, self.mode, block_size)
+            self._warm_up_and_exit(block_size)
+        gc.unfreeze()
         log.info("CPU executor: compiling the kernels in a child process (pid %d)", pid)
         deadline = started + CHILD_COMPILE_TIMEOUT_S
         while True:
@@ -255,6 +261,26 @@ class CpuExecutor:
             return False
         log.info("CPU executor: kernels compiled in %.0f s", time.monotonic() - started)
         return True
+
+    def _warm_up_and_exit(self, block_size: int) -> None:
+        """The forked child of `compile_in_child`: build, run the warm-up (which compiles
+        every kernel into the disk cache), then leave without running any of the parent's
+        clean-up. It dies with the thread that forked it, and runs torch on one thread
+        (the parent's OpenMP pool does not exist in a fork)."""
+        code = 1
+        try:
+            with contextlib.suppress(OSError, AttributeError):
+                ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            torch.set_num_threads(1)
+            self._build()
+            with torch.inference_mode():
+                self._run_warm_up_batches(block_size)
+            code = 0
+        except BaseException:  # reported by the exit code: nothing may escape a fork
+            log.exception("CPU executor: compiling in the child failed")
+        finally:
+            logging.shutdown()
+            os._exit(code)
 
     def _run_warm_up_batches(self, block_size: int, cached: bool = False) -> None:
         config = self.config
@@ -665,26 +691,6 @@ def weight_grid(weight: torch.Tensor, name: str, file_grids: Any) -> tuple[Any, 
     return grid, "" if grid is None else "(found in the fp32 values)"
 
 
-def _compile_and_exit(model: nn.Module, mode: str, block_size: int) -> None:
-    """The forked child of `compile_in_child`: warm up an executor of its own (which
-    compiles its kernels into the disk cache), then leave without running any of the
-    parent's clean-up. It dies with the thread that forked it, and runs torch on one
-    thread (the parent's OpenMP pool does not exist in a fork)."""
-    code = 1
-    try:
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        torch.set_num_threads(1)
-        executor = CpuExecutor(model, mode, compiled=True)
-        executor.build_and_warm_up(block_size)
-        code = 0 if executor.ready else 1
-    except BaseException:  # reported by the exit code: nothing may escape a fork
-        log.exception("CPU executor: compiling in the child failed")
-    finally:
-        logging.shutdown()
-        os._exit(code)
-
-
 def find_grids(model: nn.Module) -> tuple[list[list[Any]], Any] | None:
     """Every GEMM weight's quantisation grid (`choose_grids` with no position rebuilt), or
     None where one has none, or a GEMM has a bias."""
@@ -747,8 +753,8 @@ def prepare(
     executor = CpuExecutor(model, *choice)
     if background:
         threading.Thread(
-            target=executor.warm_up_in_background,
-            args=(block_size, cached),
+            target=executor.build_and_warm_up,
+            args=(block_size, cached, True),
             name=WARM_UP_THREAD,
             daemon=True,
         ).start()

@@ -96,7 +96,8 @@ def test_one_warm_server_start_reports_every_figure(tmp_path, default_model_dir)
     assert run["load"]["streams"] == 2 and run["load"]["output_tokens"] == 4
     assert 0 < run["rss_serving_mib"] <= run["peak_rss_start_mib"]
     assert run["peak_rss_under_load_mib"] >= run["rss_after_load_mib"] > 0
-    assert run["peak_tree_rss_mib"] >= run["rss_serving_mib"] * 0.9  # sampled, not exact
+    # Sampled PSS: libraries mapped by other processes (this one) count in part.
+    assert run["peak_tree_rss_mib"] > run["rss_serving_mib"] * 0.5
     assert set(printed["targets"]) == {"warm_serve_serving_s", "peak_rss_under_load_gib"}
     assert printed["settings"]["engine_args"] == [
         "--kv-cache-memory",
