@@ -41,7 +41,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = next((a for a in argv if not a.startswith("-")), None)
+    command = _command(argv)
     parser = build_parser(command if command in COMMANDS else None)
     args = parser.parse_args(argv)
     module = importlib.import_module(COMMANDS[args.command][0])
@@ -54,12 +54,17 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _command(argv: list[str]) -> str | None:
+    """The subcommand named in argv: its first argument that is not an option."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def entry() -> None:
-    """The `pagedinfer` command: `main`, then, after a local `generate`, an exit that
-    skips interpreter shutdown (over a second of tearing down torch and numba once the
-    answer is out; nothing of the command's is left to close)."""
+    """The `pagedinfer` command: `main`, then, after `generate`, an exit that skips
+    interpreter shutdown (over a second of tearing down torch and numba once the answer
+    is out; nothing of the command's is left to close)."""
     code = main()
-    if next((a for a in sys.argv[1:] if not a.startswith("-")), None) == "generate":
+    if _command(sys.argv[1:]) == "generate":
         sys.stdout.flush()
         sys.stderr.flush()
         logging.shutdown()

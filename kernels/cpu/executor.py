@@ -222,9 +222,9 @@ class CpuExecutor:
         child: it shares the model's weights copy-on-write, builds the executor's form of
         them, runs the warm-up and exits. A process that compiles keeps about 0.5 GiB of
         LLVM's memory for life; the child's is returned when it exits (and this process
-        builds its own form only then, so the two never coexist). Returns whether the kernels are cached now; False
-        where there is no fork or no writable cache, or the child failed (the caller
-        then compiles them itself)."""
+        builds its own form only then, so the two never coexist). Returns whether the
+        kernels are cached now; False where there is no fork or no writable cache, or
+        the child failed (the caller then compiles them itself)."""
         from pagedinfer.kernels.cpu.compile_record import record_directory
 
         directory = record_directory()
