@@ -1,8 +1,8 @@
-"""GGUF files of the newer architectures that the GGUF format names (qwen3, phi3,
-gemma3): a tiny random-weight model written as a GGUF file (llama.cpp's tensor names and
-metadata, the default model's tokenizer) converts through transformers and serves the
-original model's logits; a file whose conversion would drop something our forward needs
-is refused, naming it."""
+"""GGUF files of the architectures besides the embedded llama (qwen2 with its q/k/v
+biases, qwen3, phi3, gemma3): a tiny random-weight model written as a GGUF file
+(llama.cpp's tensor names and metadata, the default model's tokenizer) converts and
+serves the original model's logits; a file whose conversion would drop something our
+forward needs is refused, naming it."""
 
 from __future__ import annotations
 
@@ -135,10 +135,11 @@ def header_config(hidden_size: int, intermediate_size: int) -> Any:
     )
 
 
-# Each architecture as transformers' GGUF conversion reads it back: no partial rotary or
-# LongRoPE for Phi-3, Qwen3's head_dim of 128, Gemma 3's query_pre_attn_scalar of 256
-# and its default layer pattern (both layers local here).
+# Each architecture as the GGUF conversion reads it back (transformers' mapping): no
+# partial rotary or LongRoPE for Phi-3, Qwen3's head_dim of 128, Gemma 3's
+# query_pre_attn_scalar of 256 and its default layer pattern (both layers local here).
 GGUF_CASES = {
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": False}, 0.0),
     "qwen3": ("Qwen3Config", {"head_dim": 128, "tie_word_embeddings": False}, 0.0),
     "phi3": ("Phi3Config", {"tie_word_embeddings": False, "pad_token_id": None}, 0.0),
     "gemma3": ("Gemma3TextConfig", {"head_dim": 32, "pad_token_id": 0}, 1.0),
