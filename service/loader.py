@@ -42,6 +42,7 @@ from pagedinfer.service.models.hf_config import (
     as_id_list,
     model_config_from_hf,
 )
+from pagedinfer.service.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -194,10 +195,9 @@ def load_model(
         found = sorted(p.name for p in path.iterdir())[:10]
         raise ValueError(f"{path} has no *.safetensors weights (found: {found})")
 
-    # The tokenizer (about a second: transformers' import) loads beside the weights,
-    # whose copies release the GIL.
+    # The tokenizer loads beside the weights, whose copies release the GIL.
     with ThreadPoolExecutor(1, thread_name_prefix="pagedinfer-tokenizer") as pool:
-        tokenizer_loading = pool.submit(_load_tokenizer, path)
+        tokenizer_loading = pool.submit(load_tokenizer, path)
         module = _load_module(config, weight_files, dtype, device)
         if gguf_file is not None:
             # What the file's blocks hold, for backends that compute from quantisation
@@ -250,22 +250,6 @@ def _eos_ids(raw: dict[str, Any], path: Path) -> list[int]:
     if generation_file.is_file():
         ids += as_id_list(json.loads(generation_file.read_text()).get("eos_token_id"))
     return list(dict.fromkeys(ids))
-
-
-def _load_tokenizer(path: Path) -> Any:
-    """The checkpoint's tokenizer: straight from tokenizer.json where there is one (the
-    fast tokenizer, without AutoTokenizer's registry lookups, which take seconds), else
-    whatever AutoTokenizer finds."""
-    try:
-        if (path / "tokenizer.json").is_file():
-            from transformers import PreTrainedTokenizerFast
-
-            return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, TypeError) as err:
-        raise ValueError(f"{path}: no usable tokenizer ({err})") from err
 
 
 def fused_projections(config: ModelConfig) -> dict[str, tuple[str, int, int]]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import jinja2
+
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
 
@@ -50,9 +52,12 @@ def encode_chat(tokenizer: Any, messages: Sequence[dict]) -> list[int]:
             )
         if not isinstance(m.get("content"), str):
             raise ValueError(f"messages[{i}].content must be a string")
-    ids = tokenizer.apply_chat_template(
-        [dict(m) for m in messages], add_generation_prompt=True, tokenize=True
-    )
+    try:
+        ids = tokenizer.apply_chat_template(
+            [dict(m) for m in messages], add_generation_prompt=True, tokenize=True
+        )
+    except jinja2.TemplateError as err:  # the template's own raise_exception, or its sandbox
+        raise ValueError(f"the model's chat template refused these messages: {err}") from err
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)
