@@ -19,7 +19,7 @@ import torch
 from pagedinfer.kernels import AttentionMetadata
 from pagedinfer.service import memory
 from pagedinfer.service.config import EngineConfig
-from pagedinfer.service.loader import LoadedModel
+from pagedinfer.service.loader import LoadedModel, cache_dir
 from pagedinfer.service.models.llama import ModelConfig
 from pagedinfer.service.request import Request
 from pagedinfer.service.sampler import argmax_only, prompt_logprobs
@@ -144,7 +144,11 @@ class ModelRunner:
             cached = cpu.compiled_before(self._kernel_set)
             background = config.compile_in_background and not cached
             self.executor = cpu.prepare(
-                self.model, config.block_size, background=background, cached=cached
+                self.model,
+                config.block_size,
+                background=background,
+                cached=cached,
+                store=cpu.weights_file(self._kernel_set, cache_dir() / "cpu-weights"),
             )
             if self.executor is not None and self.executor.active:
                 cpu.record_compiled(self._kernel_set)

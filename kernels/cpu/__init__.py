@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedinfer.kernels.cpu.compile_record import compiled_before, record_compiled
+from pagedinfer.kernels.cpu.compile_record import compiled_before, record_compiled, weights_file
 from pagedinfer.kernels.cpu.executor import (
     SUPPORTED_FEATURES,
     CpuExecutor,
@@ -35,4 +35,5 @@ __all__ = [
     "record_compiled",
     "supports",
     "unsupported_features",
+    "weights_file",
 ]

@@ -63,3 +63,12 @@ def record_compiled(identity: str) -> None:
         (directory / (_PREFIX + record_key(identity))).touch()
     except (OSError, ImportError) as err:
         log.debug("no compile record written: %s", err)
+
+
+def weights_file(identity: str, directory: Path) -> Path | None:
+    """Where the executor keeps the built weights of this kernel set under `directory`
+    (`weight_store`): named by the same digest, so code or model changes miss it."""
+    try:
+        return directory / f"{record_key(identity)}.npz"
+    except (OSError, ImportError):
+        return None

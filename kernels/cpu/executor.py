@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -99,8 +100,11 @@ class _Layer:
 class CpuExecutor:
     """Runs a model's forward pass on the CPU backend (see the module doc)."""
 
-    def __init__(self, model: nn.Module, mode: str, compiled: bool) -> None:
+    def __init__(
+        self, model: nn.Module, mode: str, compiled: bool, store: Path | None = None
+    ) -> None:
         self.model = model
+        self.store = store  # where the built grids are kept between starts (`weight_store`)
         self.config = model.config
         self.mode = mode  # "grid", "rebuilt", "mkl", "onednn" or "dense"
         self.compiled = compiled  # the ops between the GEMMs and attention in numba kernels
@@ -127,7 +131,7 @@ class CpuExecutor:
         from pagedinfer.kernels.cpu import grid_gemm
 
         model = self.model
-        grids = choose_grids(model) if self.mode == "grid" else None
+        grids = self._grids() if self.mode == "grid" else None
         if grids is not None:
             layer_grids, lm_head = grids
             kinds = {g.kind for g in (*layer_grids[0], lm_head)}
@@ -141,6 +145,23 @@ class CpuExecutor:
             gemms = [make(lin.weight, lin.bias) for lin in layer.linears()]
             self.layers.append(_Layer(_norms(layer), *gemms))
         self.lm_head = make(model.lm_head_weight(), None)
+
+    def _grids(self) -> tuple[list[list[Any]], Any] | None:
+        """`choose_grids`, or its result as an earlier start stored it (`weight_store`);
+        a first build stores what it chose."""
+        from pagedinfer.kernels.cpu import weight_store
+
+        if self.store is None:
+            return choose_grids(self.model)
+        shapes = [[tuple(w.shape) for w in ws] for ws in _gemm_weights(self.model)]
+        grids = weight_store.load(self.store, shapes)
+        if grids is not None:
+            log.info("GEMM grids read from the store of an earlier start (%s)", self.store.name)
+            return grids
+        grids = choose_grids(self.model)
+        if grids is not None:
+            weight_store.save(self.store, grids)
+        return grids
 
     def _build_grids(self, layer_grids: list[list[Any]], lm_head: Any) -> None:
         from pagedinfer.kernels.cpu import fused_step, greedy_argmax, grid_gemm
@@ -644,8 +665,9 @@ def choose_grids(model: nn.Module) -> tuple[list[list[Any]], Any] | None:
         return None
     names = {id(p): name for name, p in model.named_parameters()}
     file_grids = getattr(model, "gguf_grids", None) or {}
-    positions = [[layer.linears()[i].weight for layer in model.layers] for i in range(4)]
-    positions.append([model.lm_head_weight()])
+    layer_weights = _gemm_weights(model)
+    positions = [[ws[i] for ws in layer_weights[:-1]] for i in range(4)]
+    positions.append(layer_weights[-1])
     chosen, described = [], []
     for position, weights in zip(POSITIONS, positions, strict=True):
         grids, sources = [], set()
@@ -668,6 +690,12 @@ def choose_grids(model: nn.Module) -> tuple[list[list[Any]], Any] | None:
     log.info("GEMM grids per position: %s", ", ".join(described))
     layers = [list(layer) for layer in zip(*chosen[:4], strict=True)]
     return layers, chosen[4][0]
+
+
+def _gemm_weights(model: nn.Module) -> list[list[torch.Tensor]]:
+    """Each layer's four GEMM weights in `linears()` order, then [the LM head's]."""
+    layers = [[linear.weight for linear in layer.linears()] for layer in model.layers]
+    return [*layers, [model.lm_head_weight()]]
 
 
 def weight_grid(weight: torch.Tensor, name: str, file_grids: Any) -> tuple[Any, str]:
@@ -727,7 +755,11 @@ def choose_mode(model: nn.Module) -> tuple[str, bool] | None:
 
 
 def prepare(
-    model: nn.Module, block_size: int, background: bool = False, cached: bool = False
+    model: nn.Module,
+    block_size: int,
+    background: bool = False,
+    cached: bool = False,
+    store: Path | None = None,
 ) -> CpuExecutor | None:
     """The executor for `model` on this CPU, or None where the model's own torch forward
     must serve it: a feature the executor lacks, weights off the CPU, or no faster GEMMs
@@ -739,7 +771,8 @@ def prepare(
     forward: `ready` then turns true, and the caller calls `activate` between steps.
     cached: the kernels are known to be in the disk cache (`compile_record`); then only
     the fused step is warmed up, and the layer-by-layer path (steps past the fused
-    step's size) loads its kernels on first use.
+    step's size) loads its kernels on first use. store: a file that keeps the built
+    grids between starts (`weight_store`), named by everything they depend on.
     """
     missing = unsupported_features(model.config)
     if missing:
@@ -750,7 +783,7 @@ def prepare(
     choice = choose_mode(model)
     if choice is None:
         return None
-    executor = CpuExecutor(model, *choice)
+    executor = CpuExecutor(model, *choice, store=store)
     if background:
         threading.Thread(
             target=executor.build_and_warm_up,

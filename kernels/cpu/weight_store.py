@@ -1,0 +1,92 @@
+"""The executor's GEMM weights as built at an earlier start, so a later one reads them.
+
+Choosing each position's grids (decoding a GGUF file's blocks, checking value for value
+that they give the model's weights, or laying ordinary weights out in tiles) costs about
+a second of a warm start. Its result depends only on the model's weight files and on
+this package's code, so the first build writes it to one uncompressed `.npz` file
+named by a digest of both (`compile_record.record_key`), and later starts load it.
+
+A store that is missing, unreadable, or does not fit the model is ignored and the grids
+are chosen again; a directory that cannot be written simply gets no store.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pagedinfer.kernels.cpu import grid_gemm
+
+log = logging.getLogger(__name__)
+
+Grids = tuple[list[list[grid_gemm.GridWeight]], grid_gemm.GridWeight]
+
+
+def save(path: Path, grids: Grids) -> bool:
+    """Write `grids` (each layer's GEMM positions, and the LM head) to `path` atomically;
+    whether it was written."""
+    layers, lm_head = grids
+    arrays: dict[str, np.ndarray] = {}
+    shapes = []
+    for name, grid in _named(layers, lm_head):
+        arrays[f"{name}.codes"], arrays[f"{name}.scales"] = grid.codes, grid.scales
+        shapes.append([name, grid.kind, grid.out_features, grid.in_features])
+    manifest = {"layers": len(layers), "positions": len(layers[0]), "grids": shapes}
+    arrays["manifest"] = np.array(json.dumps(manifest))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in path.parent.glob(f"{path.name}*.tmp"):  # a killed writer's
+            stale.unlink(missing_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **arrays)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except OSError as err:
+        log.debug("CPU executor: no weight store written at %s: %s", path, err)
+        return False
+    return True
+
+
+def load(path: Path, shapes: list[list[tuple[int, int]]]) -> Grids | None:
+    """The grids stored at `path`, or None where there are none or they do not fit
+    `shapes`: each layer's GEMM weight shapes (out, in) by position, the LM head's last."""
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            manifest = json.loads(str(data["manifest"]))
+            grids = {
+                name: grid_gemm.GridWeight(
+                    kind, out, k, data[f"{name}.codes"], data[f"{name}.scales"]
+                )
+                for name, kind, out, k in manifest["grids"]
+            }
+    except (OSError, ValueError, KeyError) as err:
+        log.warning("CPU executor: ignoring the unreadable weight store %s: %s", path, err)
+        return None
+    layers = [
+        [grids.get(f"layer{i}.{p}") for p in range(len(shapes[0]))] for i in range(len(shapes) - 1)
+    ]
+    lm_head = grids.get("lm_head")
+    want = [shape for layer in shapes for shape in layer]
+    held = [g for layer in layers for g in layer] + [lm_head]
+    have = [(g.out_features, g.in_features) if g else None for g in held]
+    if have != want or len(grids) != len(want):
+        log.warning("CPU executor: ignoring the weight store %s: it holds other shapes", path)
+        return None
+    return layers, lm_head
+
+
+def _named(layers: list[list[Any]], lm_head: Any) -> list[tuple[str, Any]]:
+    named = [(f"layer{i}.{p}", g) for i, layer in enumerate(layers) for p, g in enumerate(layer)]
+    return [*named, ("lm_head", lm_head)]
