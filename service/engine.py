@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -21,7 +22,7 @@ from pagedinfer.kernels import torch_ops
 from pagedinfer.service import prompts, spec_decode
 from pagedinfer.service.config import EngineConfig
 from pagedinfer.service.loader import load_model
-from pagedinfer.service.model_runner import ModelOutput, ModelRunner
+from pagedinfer.service.model_runner import ModelOutput, ModelRunner, served_from_store
 from pagedinfer.service.outputs import CompletionDelta
 from pagedinfer.service.request import Request, RequestStatus
 from pagedinfer.service.sample_text import NewTokens, SampleText
@@ -100,7 +101,18 @@ class LLMEngine:
         if self.device.type == "cpu":
             configure_cpu_threads(config.num_threads)
         dtype = resolve_dtype(config, self.device)
-        loaded = load_model(config.model, self.device, dtype, max_model_len=config.max_model_len)
+        # On the CPU, a model whose executor weights an earlier start stored is loaded
+        # without its dense GEMM weights (`model_runner.served_from_store`).
+        defer = None
+        if self.device.type == "cpu":
+            defer = partial(served_from_store, block_size=config.block_size, dtype=dtype)
+        loaded = load_model(
+            config.model,
+            self.device,
+            dtype,
+            max_model_len=config.max_model_len,
+            defer_gemm_weights=defer,
+        )
         self.config = config
         self.model_config = loaded.config
         self.model_name = loaded.config.name

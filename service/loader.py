@@ -26,13 +26,14 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from pagedinfer.service import gguf_convert
@@ -59,8 +60,22 @@ class LoadedModel:
 
     model: DecoderModel  # the architecture's module (`models.MODEL_CLASSES`)
     config: ModelConfig
-    tokenizer: Any  # a transformers PreTrainedTokenizerBase, with the chat template
+    tokenizer: Any  # `tokenizer.Tokenizer`, or transformers' where the files need it
     path: Path
+    # GEMM weights left unread, on the meta device (`load_model`'s defer_gemm_weights).
+    deferred: frozenset[str] = frozenset()
+
+    def load_deferred(self) -> None:
+        """Read the weights `load_model` deferred, for the model's own forward."""
+        if not self.deferred:
+            return
+        like = self.model.embed_tokens.weight
+        for name in self.deferred:
+            shape = self.model.get_parameter(name).shape
+            empty = torch.empty(shape, dtype=like.dtype, device=like.device)
+            _set_parameter(self.model, name, empty)
+        _load_weights(self.model, sorted(self.path.glob("*.safetensors")), self.deferred)
+        self.deferred = frozenset()
 
 
 def cache_dir() -> Path:
@@ -156,12 +171,16 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     max_model_len: int | None = None,
+    defer_gemm_weights: Callable[[ModelConfig, Path], bool] | None = None,
 ) -> LoadedModel:
     """Load a model: None = the embedded default; a local Hugging Face directory; a .gguf file.
 
     max_model_len: the longest context that will be served (default: the model's
     max_position_embeddings); features that only break beyond some length (sliding
     windows, dynamic rope) are refused only when it reaches them.
+    defer_gemm_weights(config, directory): whether a backend will serve without the
+    layers' GEMM weights (and the LM head's): they are then left unread, on the meta
+    device, until `LoadedModel.load_deferred`.
     Raises ValueError naming what was found for a missing path or an unsupported model.
     """
     device = torch.device(device)
@@ -196,9 +215,10 @@ def load_model(
         raise ValueError(f"{path} has no *.safetensors weights (found: {found})")
 
     # The tokenizer loads beside the weights, whose copies release the GIL.
+    defer = defer_gemm_weights is not None and defer_gemm_weights(config, path)
     with ThreadPoolExecutor(1, thread_name_prefix="pagedinfer-tokenizer") as pool:
         tokenizer_loading = pool.submit(load_tokenizer, path)
-        module = _load_module(config, weight_files, dtype, device)
+        module, deferred = _load_module(config, weight_files, dtype, device, defer)
         if gguf_file is not None:
             # What the file's blocks hold, for backends that compute from quantisation
             # grids (read on demand; the fp32 parameters stay the reference).
@@ -215,15 +235,25 @@ def load_model(
         config.eos_token_ids = _eos_ids(raw, path) or (
             [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         )
-    return LoadedModel(model=module, config=config, tokenizer=tokenizer, path=path)
+    return LoadedModel(module, config, tokenizer, path, deferred)
 
 
 def _load_module(
-    config: ModelConfig, weight_files: list[Path], dtype: torch.dtype, device: torch.device
-) -> DecoderModel:
-    """The architecture's module with the checkpoint's weights, ready for inference."""
+    config: ModelConfig,
+    weight_files: list[Path],
+    dtype: torch.dtype,
+    device: torch.device,
+    defer_gemm_weights: bool = False,
+) -> tuple[DecoderModel, frozenset[str]]:
+    """The architecture's module with the checkpoint's weights, ready for inference, and
+    the names of the GEMM weights left on the meta device where deferred."""
     with torch.device("meta"):
         module = build_model(config)
+    gemms = {id(lin.weight) for layer in module.layers for lin in layer.linears()}
+    if module.lm_head is not None:
+        gemms.add(id(module.lm_head.weight))
+    names = {n for n, p in module.named_parameters() if id(p) in gemms}
+    deferred = frozenset(names if defer_gemm_weights else ())
 
     # Storage straight from torch.empty: `to_empty` takes ~2 ms a tensor in empty_like's
     # stride logic for meta tensors.
@@ -233,9 +263,12 @@ def _load_module(
         )
 
     module = module._apply(empty)
-    _load_weights(module, weight_files)
+    for name in deferred:  # storage never touched, so never resident: back to meta
+        _set_parameter(module, name, module.get_parameter(name).to("meta"))
+    loaded = frozenset(n for n, _ in module.named_parameters()) - deferred
+    _load_weights(module, weight_files, loaded)
     module.reset_buffers()
-    return module.eval()
+    return module.eval(), deferred
 
 
 def _model_name(model: str | os.PathLike[str] | None, path: Path) -> str:
@@ -341,8 +374,13 @@ def _read_into(handle: Any, stored: _StoredTensor, target: torch.Tensor, file: P
         target.copy_(staging)
 
 
-def _load_weights(module: DecoderModel, weight_files: list[Path]) -> None:
-    """Copy checkpoint tensors into the fused parameters; every parameter must be filled."""
+def _set_parameter(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    owner, _, attr = name.rpartition(".")
+    setattr(module.get_submodule(owner), attr, nn.Parameter(tensor, requires_grad=False))
+
+
+def _load_weights(module: DecoderModel, weight_files: list[Path], names: frozenset[str]) -> None:
+    """Copy checkpoint tensors into the fused parameters `names`; each must be filled."""
     config = module.config
     fused = fused_projections(config)
     params = dict(module.named_parameters())
@@ -366,6 +404,8 @@ def _load_weights(module: DecoderModel, weight_files: list[Path]) -> None:
                         break
                 if target not in params:
                     raise ValueError(f"{weight_file.name}: unexpected tensor {hf_name!r}")
+                if target not in names:
+                    continue
                 param = params[target].data
                 view = param[slice(start, stop)]  # this tensor's output features in param
                 if view.shape != stored.shape:
@@ -375,6 +415,6 @@ def _load_weights(module: DecoderModel, weight_files: list[Path]) -> None:
                     )
                 _read_into(handle, stored, view, weight_file)
                 filled[target] = filled.get(target, 0) + stored.shape[0]
-    missing = [n for n, p in params.items() if filled.get(n, 0) != p.shape[0]]
+    missing = [n for n in sorted(names) if filled.get(n, 0) != params[n].shape[0]]
     if missing:
         raise ValueError(f"checkpoint is missing weights for: {missing[:5]}")

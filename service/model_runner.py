@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -98,18 +99,39 @@ def num_kv_blocks(
     return blocks
 
 
-def kernel_set_identity(loaded: LoadedModel, block_size: int, dtype: torch.dtype) -> str:
-    """What picks the CPU kernels' variants for this model: its shapes and features (not
-    its name or context length), the dtype, the block size, and its weights, by their
-    files' names, sizes and times (not by where the directory lies, which a cache moves)."""
-    fields = dataclasses.asdict(loaded.config)
+def kernel_set_identity(
+    config: ModelConfig, path: Path, block_size: int, dtype: torch.dtype
+) -> str:
+    """What picks the CPU kernels' variants for the model in `path`: its shapes and
+    features (not its name or context length), the dtype, the block size, and its
+    weights, by their files' names, sizes and times (not by where the directory lies,
+    which a cache moves)."""
+    fields = dataclasses.asdict(config)
     for unrelated in ("name", "eos_token_ids"):
         fields.pop(unrelated, None)
     weights = sorted(
-        f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}"
-        for p in loaded.path.glob("*.safetensors")
+        f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in path.glob("*.safetensors")
     )
-    return repr((sorted(fields.items()), str(dtype), block_size, loaded.path.name, weights))
+    return repr((sorted(fields.items()), str(dtype), block_size, path.name, weights))
+
+
+def weights_store(kernel_set: str) -> Path | None:
+    """The file that keeps the CPU executor's built weights for `kernel_set`."""
+    from pagedinfer.kernels import cpu
+
+    return cpu.weights_file(kernel_set, cache_dir() / "cpu-weights")
+
+
+def served_from_store(config: ModelConfig, path: Path, block_size: int, dtype: torch.dtype) -> bool:
+    """Whether an earlier start left this model's compiled kernels and built weights, so
+    that the CPU executor serves without the model's dense GEMM weights."""
+    from pagedinfer.kernels import cpu
+
+    if not cpu.supports(config):
+        return False
+    kernel_set = kernel_set_identity(config, path, block_size, dtype)
+    store = weights_store(kernel_set)
+    return store is not None and store.is_file() and cpu.compiled_before(kernel_set)
 
 
 def _record_when_ready(executor: Any, kernel_set: str) -> None:
@@ -136,20 +158,27 @@ class ModelRunner:
         # executor is built before serving even in the server: no torch-forward phase and
         # no second copy of the weights beside the executor's. Else it compiles in the
         # background (the server) while the torch forward serves.
+        # Where the loader deferred the dense GEMM weights (`served_from_store`), they are
+        # read only if the executor does not serve after all.
         self.executor = None
-        self._kernel_set = kernel_set_identity(loaded, config.block_size, self.dtype)
+        self._kernel_set = kernel_set_identity(cfg, loaded.path, config.block_size, self.dtype)
         if device.type == "cpu":
             from pagedinfer.kernels import cpu
 
             cached = cpu.compiled_before(self._kernel_set)
             background = config.compile_in_background and not cached
+            store = weights_store(self._kernel_set)
             self.executor = cpu.prepare(
-                self.model,
-                config.block_size,
-                background=background,
-                cached=cached,
-                store=cpu.weights_file(self._kernel_set, cache_dir() / "cpu-weights"),
+                self.model, config.block_size, background=background, cached=cached, store=store
             )
+            if loaded.deferred and not (self.executor is not None and self.executor.active):
+                log.warning(
+                    "CPU executor: not serving from its stored weights; reading the model's"
+                )
+                loaded.load_deferred()
+                self.executor = cpu.prepare(
+                    self.model, config.block_size, background=background, store=store
+                )
             if self.executor is not None and self.executor.active:
                 cpu.record_compiled(self._kernel_set)
                 log.info("CPU executor: kernels ready, serving every step from the first")

@@ -69,6 +69,6 @@ def weights_file(identity: str, directory: Path) -> Path | None:
     """Where the executor keeps the built weights of this kernel set under `directory`
     (`weight_store`): named by the same digest, so code or model changes miss it."""
     try:
-        return directory / f"{record_key(identity)}.npz"
+        return directory / f"{record_key(identity)}.bin"
     except (OSError, ImportError):
         return None

@@ -158,6 +158,8 @@ class CpuExecutor:
         if grids is not None:
             log.info("GEMM grids read from the store of an earlier start (%s)", self.store.name)
             return grids
+        if any(w.is_meta for ws in _gemm_weights(self.model) for w in ws):
+            raise ValueError(f"{self.store} does not load, and the dense weights were not read")
         grids = choose_grids(self.model)
         if grids is not None:
             weight_store.save(self.store, grids)

@@ -3,9 +3,11 @@
 Choosing each position's grids (decoding a GGUF file's blocks, checking value for value
 that they give the model's weights, or laying ordinary weights out in tiles) costs about
 a second of a warm start. Its result depends only on the model's weight files and on
-this package's code, so the first build writes it to one uncompressed `.npz` file
-named by a digest of both (`compile_record.record_key`), and later starts load it.
+this package's code, so the first build writes it to one file named by a digest of both
+(`compile_record.weights_file`), and later starts read it back.
 
+The file: a magic line, an 8-byte little-endian header length, a JSON header listing each grid (kind,
+shape) and each array (dtype, shape, offset), then the arrays, each 64-byte aligned.
 A store that is missing, unreadable, or does not fit the model is ignored and the grids
 are chosen again; a directory that cannot be written simply gets no store.
 """
@@ -26,19 +28,26 @@ from pagedinfer.kernels.cpu import grid_gemm
 log = logging.getLogger(__name__)
 
 Grids = tuple[list[list[grid_gemm.GridWeight]], grid_gemm.GridWeight]
+_MAGIC = b"pagedinfer-cpu-grids\n"
+_VERSION = 1
+_ALIGN = 64
 
 
 def save(path: Path, grids: Grids) -> bool:
     """Write `grids` (each layer's GEMM positions, and the LM head) to `path` atomically;
     whether it was written."""
     layers, lm_head = grids
-    arrays: dict[str, np.ndarray] = {}
-    shapes = []
+    header: dict[str, Any] = {"version": _VERSION, "grids": [], "arrays": []}
+    arrays, offset = [], 0
     for name, grid in _named(layers, lm_head):
-        arrays[f"{name}.codes"], arrays[f"{name}.scales"] = grid.codes, grid.scales
-        shapes.append([name, grid.kind, grid.out_features, grid.in_features])
-    manifest = {"layers": len(layers), "positions": len(layers[0]), "grids": shapes}
-    arrays["manifest"] = np.array(json.dumps(manifest))
+        header["grids"].append([name, grid.kind, grid.out_features, grid.in_features])
+        for part in ("codes", "scales"):
+            array = np.ascontiguousarray(getattr(grid, part))
+            header["arrays"].append([f"{name}.{part}", array.dtype.str, array.shape, offset])
+            arrays.append(array)
+            offset += _aligned(array.nbytes)
+    encoded = json.dumps(header).encode()
+    data_start = _aligned(len(_MAGIC) + 8 + len(encoded))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         for stale in path.parent.glob(f"{path.name}*.tmp"):  # a killed writer's
@@ -46,7 +55,10 @@ def save(path: Path, grids: Grids) -> bool:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
-                np.savez(f, **arrays)
+                f.write(_MAGIC + len(encoded).to_bytes(8, "little") + encoded)
+                for (_, _, _, at), array in zip(header["arrays"], arrays, strict=True):
+                    f.seek(data_start + at)
+                    f.write(array.data)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
@@ -63,15 +75,29 @@ def load(path: Path, shapes: list[list[tuple[int, int]]]) -> Grids | None:
     if not path.is_file():
         return None
     try:
-        with np.load(path, allow_pickle=False) as data:
-            manifest = json.loads(str(data["manifest"]))
-            grids = {
-                name: grid_gemm.GridWeight(
-                    kind, out, k, data[f"{name}.codes"], data[f"{name}.scales"]
-                )
-                for name, kind, out, k in manifest["grids"]
-            }
-    except (OSError, ValueError, KeyError) as err:
+        with open(path, "rb") as f:
+            if f.read(len(_MAGIC)) != _MAGIC:
+                raise ValueError("not a weight store")
+            length = int.from_bytes(f.read(8), "little")
+            if length > path.stat().st_size:
+                raise ValueError("its header runs past the end of the file")
+            header = json.loads(f.read(length))
+            if header.get("version") != _VERSION:
+                raise ValueError(f"version {header.get('version')}")
+            arrays = {}
+            for name, dtype, shape, at in header["arrays"]:
+                array = np.empty(shape, dtype=dtype)  # each its own, so none pins the file's
+                f.seek(_aligned(len(_MAGIC) + 8 + length) + at)
+                if f.readinto(memoryview(array).cast("B")) != array.nbytes:
+                    raise ValueError(f"{name} runs past the end of the file")
+                arrays[name] = array
+        grids = {
+            name: grid_gemm.GridWeight(
+                kind, out, k, arrays[f"{name}.codes"], arrays[f"{name}.scales"]
+            )
+            for name, kind, out, k in header["grids"]
+        }
+    except (OSError, ValueError, KeyError, TypeError) as err:
         log.warning("CPU executor: ignoring the unreadable weight store %s: %s", path, err)
         return None
     layers = [
@@ -85,6 +111,10 @@ def load(path: Path, shapes: list[list[tuple[int, int]]]) -> Grids | None:
         log.warning("CPU executor: ignoring the weight store %s: it holds other shapes", path)
         return None
     return layers, lm_head
+
+
+def _aligned(size: int) -> int:
+    return -(-size // _ALIGN) * _ALIGN
 
 
 def _named(layers: list[list[Any]], lm_head: Any) -> list[tuple[str, Any]]:

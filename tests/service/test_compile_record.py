@@ -87,7 +87,6 @@ def test_the_kernel_set_follows_the_weights_not_where_the_cache_lies(
     make_tiny_model: Callable[..., Path], tmp_path: Path
 ) -> None:
     import shutil
-    from types import SimpleNamespace
 
     import torch
 
@@ -99,7 +98,7 @@ def test_the_kernel_set_follows_the_weights_not_where_the_cache_lies(
     moved = shutil.copytree(source, tmp_path / "elsewhere" / source.name)  # times kept
 
     def identity(path: Path, dtype: torch.dtype = torch.float32) -> str:
-        return kernel_set_identity(SimpleNamespace(config=config, path=path), 16, dtype)
+        return kernel_set_identity(config, path, 16, dtype)
 
     assert identity(moved) == identity(source)
     assert identity(source, torch.bfloat16) != identity(source)

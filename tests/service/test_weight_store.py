@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -22,6 +24,9 @@ pytestmark = pytest.mark.skipif(
     not torch_ops.compiled_kernels(), reason="grids run on the compiled kernels"
 )
 PROMPT = [(0, list(range(3, 30)), 0)]
+
+if TYPE_CHECKING:
+    from pagedinfer.service.engine import LLMEngine
 
 
 def mixed_model() -> torch.nn.Module:
@@ -45,7 +50,7 @@ def logits(executor: cpu.CpuExecutor) -> torch.Tensor:
 def test_a_second_start_reads_the_stored_grids_and_serves_the_same_logits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model, store = mixed_model(), tmp_path / "grids.npz"
+    model, store = mixed_model(), tmp_path / "grids.bin"
     first = cpu.prepare(copy.deepcopy(model), BLOCK_SIZE, store=store)
     assert first is not None and store.is_file()
     kinds = (grid_gemm.AFFINE4, grid_gemm.SCALED8, grid_gemm.REBUILT, grid_gemm.FINE8)
@@ -64,7 +69,7 @@ def test_a_second_start_reads_the_stored_grids_and_serves_the_same_logits(
 def test_an_unreadable_store_is_chosen_again_and_rewritten(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    model, store = mixed_model(), tmp_path / "grids.npz"
+    model, store = mixed_model(), tmp_path / "grids.bin"
     store.write_bytes(b"not a zip file")
     with caplog.at_level(logging.WARNING, logger="pagedinfer.kernels.cpu.weight_store"):
         executor = cpu.prepare(copy.deepcopy(model), BLOCK_SIZE, store=store)
@@ -75,7 +80,7 @@ def test_an_unreadable_store_is_chosen_again_and_rewritten(
 
 
 def test_a_store_of_other_shapes_is_ignored(tmp_path: Path) -> None:
-    model, store = mixed_model(), tmp_path / "grids.npz"
+    model, store = mixed_model(), tmp_path / "grids.bin"
     cpu.prepare(copy.deepcopy(model), BLOCK_SIZE, store=store)
     shapes = [[tuple(w.shape) for w in ws] for ws in executor_module._gemm_weights(model)]
     assert weight_store.load(store, shapes) is not None
@@ -89,12 +94,83 @@ def test_a_store_that_cannot_be_written_leaves_the_executor_serving(tmp_path: Pa
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     reference = copy.deepcopy(model)
-    executor = cpu.prepare(model, BLOCK_SIZE, store=blocker / "grids.npz")
+    executor = cpu.prepare(model, BLOCK_SIZE, store=blocker / "grids.bin")
     assert executor is not None and executor.active
-    assert not (blocker / "grids.npz").exists()
+    assert not (blocker / "grids.bin").exists()
     torch.testing.assert_close(
         logits(executor),
         PagedCache(reference.config, 1, 40, seed=3).step(reference, PROMPT)[0],
         rtol=1e-4,
         atol=1e-4,
     )
+
+
+def greedy(engine: LLMEngine, prompt: list[int]) -> list[int]:
+    from pagedinfer.service.sampling_params import SamplingParams
+
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        for delta in engine.step():
+            tokens += delta.token_ids
+    return tokens
+
+
+def test_a_start_over_a_stored_executor_never_reads_the_dense_gemm_weights(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    make_tiny_model: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The first start builds and stores; the second serves with the layers' GEMM weights
+    left unread and the same tokens; over a broken store it reads them after all, serves
+    the same tokens, and stores again."""
+    from pagedinfer.service.config import EngineConfig
+    from pagedinfer.service.engine import LLMEngine
+
+    caplog.set_level(logging.INFO)
+    monkeypatch.setenv("PAGEDINFER_CACHE_DIR", str(tmp_path))
+    model = shutil.copytree(make_tiny_model("llama"), tmp_path / "model")
+    config = EngineConfig(model=str(model), max_model_len=64, kv_cache_memory=2**22)
+    prompt = list(range(5, 25))
+
+    first = LLMEngine(config)
+    assert first.runner.executor is not None and first.runner.executor.active
+    stores = list((tmp_path / "cpu-weights").glob("*.bin"))
+    assert len(stores) == 1
+    want = greedy(first, prompt)
+
+    second = LLMEngine(config)
+    layer = second.runner.model.layers[0]
+    assert second.runner.executor.active
+    assert "GEMM grids read from the store" in caplog.text
+    assert greedy(second, prompt) == want
+    # Left unread, not merely released: the loader skipped them.
+    loads = []
+    monkeypatch.setattr("pagedinfer.service.loader._read_into", lambda *a: loads.append(a[1].name))
+    LLMEngine(config)
+    assert loads and not any("proj" in name or name == "lm_head.weight" for name in loads)
+    monkeypatch.undo()
+    monkeypatch.setenv("PAGEDINFER_CACHE_DIR", str(tmp_path))
+    assert all(linear.weight.is_meta for linear in layer.linears())
+
+    stores[0].write_bytes(b"broken")
+    caplog.clear()
+    third = LLMEngine(config)
+    layer_owner = third.runner.model
+    assert third.runner.executor.active
+    assert "not serving from its stored weights" in caplog.text
+    assert greedy(third, prompt) == want
+    shapes = [[tuple(w.shape) for w in ws] for ws in executor_module._gemm_weights(layer_owner)]
+    assert weight_store.load(stores[0], shapes) is not None  # stored again
+
+
+def test_a_store_cut_short_is_ignored(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model, store = mixed_model(), tmp_path / "grids.bin"
+    cpu.prepare(copy.deepcopy(model), BLOCK_SIZE, store=store)
+    shapes = [[tuple(w.shape) for w in ws] for ws in executor_module._gemm_weights(model)]
+    whole = store.read_bytes()
+    for cut in (len(whole) - 1, len(whole) // 2, 40, 0):
+        store.write_bytes(whole[:cut])
+        assert weight_store.load(store, shapes) is None, cut
+    assert "unreadable weight store" in caplog.text
