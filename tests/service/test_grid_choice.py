@@ -36,10 +36,9 @@ def five_bit_grid(out_features: int, in_features: int, rng: np.random.Generator)
     )
 
 
-def test_each_position_takes_one_kind_or_its_fp32_tiles() -> None:
-    """q/k/v on 4-bit grids, o on 8-bit ones, gate/up on none, down mixing 4 and 8 bits
-    across layers: (affine4, scaled8, rebuilt, fine8) and the 8-bit LM head; the fused
-    step gives the layered logits and cache bit for bit, close to the torch forward's."""
+def mixed_kinds_model() -> torch.nn.Module:
+    """q/k/v on 4-bit grids, o on 8-bit ones, gate/up on none, down 4-bit in layer 0
+    and 8-bit in layer 1."""
     model = grid_model(seed=2)
     rng = np.random.default_rng(7)
     with torch.no_grad():
@@ -49,6 +48,14 @@ def test_each_position_takes_one_kind_or_its_fp32_tiles() -> None:
             gate_up.weight.normal_(0, 0.05)
             if i == 1:
                 down.weight.copy_(on_grid(*down.weight.shape, rng, 8))
+    return model
+
+
+def test_each_position_takes_one_kind_or_its_fp32_tiles() -> None:
+    """q/k/v on 4-bit grids, o on 8-bit ones, gate/up on none, down mixing 4 and 8 bits
+    across layers: (affine4, scaled8, rebuilt, fine8) and the 8-bit LM head; the fused
+    step gives the layered logits and cache bit for bit, close to the torch forward's."""
+    model = mixed_kinds_model()
     reference = copy.deepcopy(model)
     executor = cpu.prepare(model, BLOCK_SIZE)
     assert executor is not None and executor.mode == "grid"

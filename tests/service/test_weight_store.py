@@ -10,11 +10,10 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import pytest
 import torch
 from paged_cache import BLOCK_SIZE, PagedCache
-from test_fused_step import grid_model, on_grid
+from test_grid_choice import mixed_kinds_model
 
 from pagedinfer.kernels import cpu, torch_ops
 from pagedinfer.kernels.cpu import executor as executor_module
@@ -29,20 +28,6 @@ if TYPE_CHECKING:
     from pagedinfer.service.engine import LLMEngine
 
 
-def mixed_model() -> torch.nn.Module:
-    """Every kind of position: 4-bit, 8-bit and 8-bit fine grids, and fp32 tiles."""
-    model = grid_model(seed=2)
-    rng = np.random.default_rng(7)
-    with torch.no_grad():
-        for i, layer in enumerate(model.layers):
-            _, o, gate_up, down = layer.linears()
-            o.weight.copy_(on_grid(*o.weight.shape, rng, 8))
-            gate_up.weight.normal_(0, 0.05)
-            if i == 1:
-                down.weight.copy_(on_grid(*down.weight.shape, rng, 8))
-    return model
-
-
 def logits(executor: cpu.CpuExecutor) -> torch.Tensor:
     return PagedCache(executor.config, 1, 40, seed=3).step(executor, PROMPT)[0]
 
@@ -50,7 +35,7 @@ def logits(executor: cpu.CpuExecutor) -> torch.Tensor:
 def test_a_second_start_reads_the_stored_grids_and_serves_the_same_logits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model, store = mixed_model(), tmp_path / "grids.bin"
+    model, store = mixed_kinds_model(), tmp_path / "grids.bin"
     first = cpu.prepare(copy.deepcopy(model), BLOCK_SIZE, store=store)
     assert first is not None and store.is_file()
     kinds = (grid_gemm.AFFINE4, grid_gemm.SCALED8, grid_gemm.REBUILT, grid_gemm.FINE8)
@@ -69,7 +54,7 @@ def test_a_second_start_reads_the_stored_grids_and_serves_the_same_logits(
 def test_an_unreadable_store_is_chosen_again_and_rewritten(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    model, store = mixed_model(), tmp_path / "grids.bin"
+    model, store = mixed_kinds_model(), tmp_path / "grids.bin"
     store.write_bytes(b"not a zip file")
     with caplog.at_level(logging.WARNING, logger="pagedinfer.kernels.cpu.weight_store"):
         executor = cpu.prepare(copy.deepcopy(model), BLOCK_SIZE, store=store)
@@ -80,7 +65,7 @@ def test_an_unreadable_store_is_chosen_again_and_rewritten(
 
 
 def test_a_store_of_other_shapes_is_ignored(tmp_path: Path) -> None:
-    model, store = mixed_model(), tmp_path / "grids.bin"
+    model, store = mixed_kinds_model(), tmp_path / "grids.bin"
     cpu.prepare(copy.deepcopy(model), BLOCK_SIZE, store=store)
     shapes = [[tuple(w.shape) for w in ws] for ws in executor_module._gemm_weights(model)]
     assert weight_store.load(store, shapes) is not None
@@ -90,7 +75,7 @@ def test_a_store_of_other_shapes_is_ignored(tmp_path: Path) -> None:
 
 
 def test_a_store_that_cannot_be_written_leaves_the_executor_serving(tmp_path: Path) -> None:
-    model = mixed_model()
+    model = mixed_kinds_model()
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     reference = copy.deepcopy(model)
@@ -166,7 +151,7 @@ def test_a_start_over_a_stored_executor_never_reads_the_dense_gemm_weights(
 
 
 def test_a_store_cut_short_is_ignored(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    model, store = mixed_model(), tmp_path / "grids.bin"
+    model, store = mixed_kinds_model(), tmp_path / "grids.bin"
     cpu.prepare(copy.deepcopy(model), BLOCK_SIZE, store=store)
     shapes = [[tuple(w.shape) for w in ws] for ws in executor_module._gemm_weights(model)]
     whole = store.read_bytes()
