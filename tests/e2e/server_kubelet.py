@@ -32,7 +32,7 @@ from typing import Any
 
 import grpc
 from operator_fakes import rfc3339
-from test_server import Server, free_port, stop_server
+from test_server import Server, free_ports, stop_server
 
 from pagedinfer.service.proto import inference_pb2 as pb
 
@@ -107,7 +107,7 @@ class ServerKubelet:
         (container,) = template["spec"]["containers"]
         assert container["command"] == ["pagedinfer"], container["command"]
         name = f"{deployment['metadata']['name']}-{next(self._indices)}"
-        ports = {"http": free_port(), "grpc": free_port(), "metrics": free_port()}
+        ports = dict(zip(("http", "grpc", "metrics"), free_ports(3), strict=True))
         for port in container["ports"]:
             port["containerPort"] = ports[port["name"]]
         probe = container["readinessProbe"]["httpGet"]

@@ -3,6 +3,7 @@ embedded model and a small KV cache, called through the generated stubs."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
@@ -37,9 +38,17 @@ TOKEN = "s3cret-token"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports: each socket stays bound until all are chosen, so the
+    kernel cannot hand the same port out twice."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 @dataclass
@@ -108,7 +117,7 @@ def make_certificate(directory: Path) -> tuple[Path, Path]:
 
 def start_server(directory: Path, *extra: str, token: str | None = None,
                  tls: tuple[Path, Path] | None = None) -> Server:  # fmt: skip
-    port, metrics_port, http_port = free_port(), free_port(), free_port()
+    port, metrics_port, http_port = free_ports(3)
     log = directory / "server.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_EXPORTER_OTLP")}
     env.pop("PAGEDINFER_AUTH_TOKEN", None)
@@ -567,7 +576,7 @@ def test_a_server_stopped_while_its_model_loads_exits_cleanly(tmp_path: Path) ->
     log = tmp_path / "server.log"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with open(log, "w") as out:
-        process = subprocess.Popen(_serve_args(free_port(), free_port()), env=env, stdout=out,
+        process = subprocess.Popen(_serve_args(*free_ports(2)), env=env, stdout=out,
                                    stderr=subprocess.STDOUT)  # fmt: skip
         deadline = time.monotonic() + 120
         while "listening; loading the model" not in log.read_text():
