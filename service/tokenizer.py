@@ -193,8 +193,10 @@ def _backend_differs(
             return f"added token {index} differs in the config"
     extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
     extra = extra.values() if isinstance(extra, Mapping) else extra
-    model_specific = [
-        v for k, v in config.items() if k.endswith("_token") and k not in NAMED_SPECIAL_TOKENS
+    model_specific = [  # e.g. an image_token; not flags such as add_bos_token
+        v
+        for k, v in config.items()
+        if k.endswith("_token") and k not in NAMED_SPECIAL_TOKENS and _is_token(v)
     ]
     for token in [*named.values(), *extra, *model_specific]:
         if _content(token) not in special:
@@ -211,6 +213,10 @@ def _named_tokens(path: Path, config: Mapping[str, Any]) -> dict[str, str]:
         saved = json.loads(legacy.read_text(encoding="utf-8"))
         tokens.update({k: v for k, v in saved.items() if k in NAMED_SPECIAL_TOKENS and v})
     return {k: _content(v) for k, v in tokens.items()}
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, str) or (isinstance(value, Mapping) and "content" in value)
 
 
 def _content(token: Any) -> str:

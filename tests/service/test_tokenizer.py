@@ -216,6 +216,21 @@ def test_what_transformers_would_change_loads_through_transformers(
     assert len(load_tokenizer(only_in_config).encode("<|not-in-the-vocabulary|>")) == 1
 
 
+def test_a_config_with_flags_named_like_tokens_loads_without_transformers(
+    tmp_path: Path, default_model_dir: Path
+) -> None:
+    path = tmp_path / "flags"
+    shutil.copytree(default_model_dir, path, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.update(add_bos_token=False, add_eos_token=False, legacy_token=None)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, theirs = load_tokenizer(path), transformers_tokenizer(path)
+    assert isinstance(ours, Tokenizer)
+    for special in (True, False):
+        assert ours.encode(TEXTS[2], special) == theirs.encode(TEXTS[2], add_special_tokens=special)
+    assert encode_chat(ours, CHATS[0]) == encode_chat(theirs, CHATS[0])
+
+
 def test_a_file_that_truncates_or_pads_encodes_in_full(
     tmp_path: Path, default_model_dir: Path
 ) -> None:
