@@ -99,7 +99,6 @@ def test_one_request_alone_is_timed_and_absent_peers_are_skipped(
     ours = entry["pagedinfer"]
     for key in ("decode_tokens_per_s", "end_to_end_output_tokens_per_s", "ttft_s"):
         assert ours[key] > 0
-    assert ours["decode_tokens_per_s"] > ours["end_to_end_output_tokens_per_s"]
     assert len(ours["runs_decode_tokens_per_s"]) == 2
     assert 0 < ours["decode_forward_ms"] <= ours["decode_step_ms"]
     assert "setup_llamacpp.sh" in entry["llama_bench"]["skipped"]
