@@ -142,11 +142,12 @@ def _read_plain_tokenizer(path: Path) -> Tokenizer | None:
     if not (file.is_file() and config_file.is_file()):
         return None
     config = json.loads(config_file.read_text(encoding="utf-8"))
+    named = _named_tokens(path, config)
     reason = _needs_transformers(path, config)
     backend = None
     if reason is None:
         backend = BackendTokenizer.from_file(str(file))
-        reason = _backend_differs(backend, config, _named_tokens(path, config))
+        reason = _backend_differs(backend, config, named)
     if reason is not None:
         logger.debug("tokenizer of %s loads through transformers: %s", path, reason)
         return None
@@ -156,7 +157,7 @@ def _read_plain_tokenizer(path: Path) -> Tokenizer | None:
         if template_file.is_file()
         else config.get("chat_template")
     )
-    return Tokenizer(backend, _named_tokens(path, config), template)
+    return Tokenizer(backend, named, template)
 
 
 def _needs_transformers(path: Path, config: Mapping[str, Any]) -> str | None:
@@ -183,8 +184,8 @@ def _backend_differs(
         return "the config adds bos/eos tokens"
     if config.get("clean_up_tokenization_spaces") and type(backend.model).__name__ != "BPE":
         return "clean_up_tokenization_spaces on a non-BPE vocabulary"
-    special = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
     added = backend.get_added_tokens_decoder()
+    special = {t.content for t in added.values() if t.special}
     for index, token in (config.get("added_tokens_decoder") or {}).items():
         have = added.get(int(index))
         if have is None or have.content != token.get("content"):
