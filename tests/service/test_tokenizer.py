@@ -58,6 +58,14 @@ LLAMA_TEMPLATE = """{{ bos_token }}
 {% if add_generation_prompt %} {% endif %}"""
 
 
+def edited_copy(source: Path, path: Path, name: str, fields: dict[str, Any]) -> Path:
+    """A copy of `source`'s tokenizer files with `fields` set in its JSON file `name`."""
+    shutil.copytree(source, path, ignore=shutil.ignore_patterns("*.safetensors"))
+    data = json.loads((path / name).read_text())
+    (path / name).write_text(json.dumps({**data, **fields}))
+    return path
+
+
 def transformers_tokenizer(path: Path) -> Any:
     from transformers import PreTrainedTokenizerFast
 
@@ -219,11 +227,8 @@ def test_what_transformers_would_change_loads_through_transformers(
 def test_a_config_with_flags_named_like_tokens_loads_without_transformers(
     tmp_path: Path, default_model_dir: Path
 ) -> None:
-    path = tmp_path / "flags"
-    shutil.copytree(default_model_dir, path, ignore=shutil.ignore_patterns("*.safetensors"))
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    config.update(add_bos_token=False, add_eos_token=False, legacy_token=None)
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    flags = {"add_bos_token": False, "add_eos_token": False, "legacy_token": None}
+    path = edited_copy(default_model_dir, tmp_path / "flags", "tokenizer_config.json", flags)
     ours, theirs = load_tokenizer(path), transformers_tokenizer(path)
     assert isinstance(ours, Tokenizer)
     for special in (True, False):
@@ -234,9 +239,7 @@ def test_a_config_with_flags_named_like_tokens_loads_without_transformers(
 def test_a_file_that_truncates_or_pads_encodes_in_full(
     tmp_path: Path, default_model_dir: Path
 ) -> None:
-    path = tmp_path / "truncating"
-    shutil.copytree(default_model_dir, path, ignore=shutil.ignore_patterns("*.safetensors"))
-    data = json.loads((path / "tokenizer.json").read_text())
+    data: dict[str, Any] = {}
     data["truncation"] = {
         "direction": "Right",
         "max_length": 4,
@@ -247,7 +250,7 @@ def test_a_file_that_truncates_or_pads_encodes_in_full(
         "strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None,
         "pad_id": 2, "pad_type_id": 0, "pad_token": "<|im_end|>",
     }  # fmt: skip
-    (path / "tokenizer.json").write_text(json.dumps(data))
+    path = edited_copy(default_model_dir, tmp_path / "truncating", "tokenizer.json", data)
     text = "one two three four five six seven eight nine"
     ours = load_tokenizer(path)
     assert isinstance(ours, Tokenizer)
