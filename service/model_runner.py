@@ -198,15 +198,16 @@ class ModelRunner:
             self.executor.mode if building else None,
         )
         shape = (self.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim)
-        # Zeros, not empty: the kernels mask unwritten slots, but a clean cache keeps
-        # memory stats honest (pages are touched once, now, not during serving).
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=device),
-                torch.zeros(shape, dtype=self.dtype, device=device),
-            )
-            for _ in range(cfg.num_layers)
-        ]
+        # Zero-filled, though every path masks the slots past a sequence's end: no slot
+        # ever holds leftover memory.
+        if device.type == "cpu":
+            caches = memory.zeroed_cpu_tensors(2 * cfg.num_layers, shape, self.dtype)
+        else:
+            caches = [
+                torch.zeros(shape, dtype=self.dtype, device=device)
+                for _ in range(2 * cfg.num_layers)
+            ]
+        self.kv_caches = list(zip(caches[0::2], caches[1::2], strict=True))
         log.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
             self.num_blocks,

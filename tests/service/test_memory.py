@@ -243,3 +243,38 @@ def test_resident_bytes_reads_vmrss(tmp_path):
     proc = fake_proc(tmp_path, "0::/\n")
     assert memory.resident_bytes(proc) == 1024 * 1024
     assert memory.resident_bytes() > 10 * MiB  # this interpreter, for real
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_zeroed_cpu_tensors_are_zero_separate_and_writable(dtype):
+    import torch
+
+    dtype = getattr(torch, dtype)
+    tensors = memory.zeroed_cpu_tensors(4, (5, 16, 3, 8), dtype)
+    assert [(t.shape, t.dtype, t.is_contiguous()) for t in tensors] == [
+        (torch.Size([5, 16, 3, 8]), dtype, True)
+    ] * 4
+    tensors[2][1, 3] = 7.0
+    tensors[2].index_copy_(0, torch.tensor([4]), tensors[2].index_select(0, torch.tensor([1])))
+    assert [float(t.abs().sum()) for t in tensors] == [0.0, 0.0, 7.0 * 2 * 3 * 8, 0.0]
+    assert all(t.data_ptr() % 64 == 0 for t in tensors)
+
+
+def test_zeroed_cpu_tensors_become_resident_without_being_written():
+    """The background thread faults the pages in: the process holds the cache from the
+    start, not only once serving has written it."""
+    import os
+    import time
+
+    import torch
+
+    release = tuple(int(x) for x in os.uname().release.split(".")[:2])
+    if release < (5, 14):
+        pytest.skip("MADV_POPULATE_WRITE needs Linux 5.14")
+    before = memory.resident_bytes()
+    tensors = memory.zeroed_cpu_tensors(2, (64, MiB // 4), torch.float32)
+    deadline = time.monotonic() + 30
+    while memory.resident_bytes() - before < 120 * MiB and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert memory.resident_bytes() - before >= 120 * MiB
+    assert float(tensors[1].abs().sum()) == 0.0
