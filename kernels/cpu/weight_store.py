@@ -31,6 +31,11 @@ Grids = tuple[list[list[grid_gemm.GridWeight]], grid_gemm.GridWeight]
 _MAGIC = b"pagedinfer-cpu-grids\n"
 _VERSION = 1
 _ALIGN = 64
+# Each kind read back as grid_gemm's own string object, not an equal one from the JSON:
+# numba keys a kernel's disk cache on a pickle of its closure, and pickle writes a string
+# met twice as a back-reference only where it is the same object, so an equal copy would
+# miss the cache that the first build's kernels filled and compile them all again.
+_KINDS = {kind: kind for kind in (*grid_gemm.GRIDS, *grid_gemm.DENSE)}
 
 
 def save(path: Path, grids: Grids) -> bool:
@@ -93,7 +98,7 @@ def load(path: Path, shapes: list[list[tuple[int, int]]]) -> Grids | None:
                 arrays[name] = array
         grids = {
             name: grid_gemm.GridWeight(
-                kind, out, k, arrays[f"{name}.codes"], arrays[f"{name}.scales"]
+                _KINDS[kind], out, k, arrays[f"{name}.codes"], arrays[f"{name}.scales"]
             )
             for name, kind, out, k in header["grids"]
         }

@@ -51,6 +51,25 @@ def test_a_second_start_reads_the_stored_grids_and_serves_the_same_logits(
     assert torch.equal(logits(second), logits(first))
 
 
+def test_stored_kinds_are_the_kernels_own_strings_so_their_disk_cache_hits(
+    tmp_path: Path,
+) -> None:
+    """numba keys a kernel's disk cache on a pickle of its closure, where a string met
+    twice is a back-reference only if it is one object: a kind read back as an equal
+    string from the store's JSON gave the kernels other keys than the first build's, and
+    a warm start compiled them all again."""
+    from numba.core.serialize import dumps
+
+    model, store = mixed_kinds_model(), tmp_path / "grids.bin"
+    cpu.prepare(copy.deepcopy(model), BLOCK_SIZE, store=store)
+    shapes = [[tuple(w.shape) for w in ws] for ws in executor_module._gemm_weights(model)]
+    layers, lm_head = weight_store.load(store, shapes)
+    for grid in (*layers[0], lm_head):
+        own = next(k for k in (*grid_gemm.GRIDS, *grid_gemm.DENSE) if k == grid.kind)
+        assert grid.kind is own
+        assert dumps((grid.kind, own)) == dumps((own, own))
+
+
 def test_an_unreadable_store_is_chosen_again_and_rewritten(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
