@@ -146,6 +146,7 @@ def _record_when_ready(executor: Any, kernel_set: str) -> None:
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel, device: torch.device):
         self.config = config
+        self.loaded = loaded
         self.model = loaded.model
         self.device = device
         self.dtype = next(self.model.parameters()).dtype
@@ -225,6 +226,23 @@ class ModelRunner:
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 
+    def _activate(self, executor: Any) -> Any:
+        """Switch to the CPU executor its background warm-up made ready; the executor, or
+        None where it failed to start (its dense weights are then read again, and the
+        torch forward keeps serving)."""
+        try:
+            executor.activate()
+        except Exception:
+            log.exception("CPU executor: failed to start serving; the torch forward serves")
+            self.executor = None
+            released = frozenset(n for n, p in self.model.named_parameters() if p.is_meta)
+            self.loaded.deferred = self.loaded.deferred | released
+            self.loaded.load_deferred()
+            return None
+        memory.release_free_heap()  # the dense weights it released
+        log.info("CPU executor: kernels ready, serving every step")
+        return executor
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         self.copy_blocks(out.copy_blocks)
@@ -234,9 +252,7 @@ class ModelRunner:
         args = (inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
         executor = self.executor
         if executor is not None and not executor.active and executor.ready:
-            executor.activate()
-            memory.release_free_heap()  # the dense weights it released
-            log.info("CPU executor: kernels ready, serving every step")
+            executor = self._activate(executor)
         if executor is not None and executor.active:
             logits, tokens = executor.forward(*args, inputs.logits_indices, inputs.greedy)
         else:

@@ -119,6 +119,9 @@ class CpuExecutor:
         self._step_scratch: Any = None  # fused_step.StepScratch
         self._step_shapes: dict[int, Any] = {}  # block size -> fused_step.StepShape
         self._ready = threading.Event()
+        # The block size of a build left for `activate`: the kernels compiled in a child
+        # that stored the built weights, so they are read back once the dense ones are gone.
+        self._build_at_activation: int | None = None
         self.active = False
         self.error: BaseException | None = None
 
@@ -222,23 +225,34 @@ class CpuExecutor:
         try:
             if self.compiled and compile_elsewhere and not cached:
                 cached = self.compile_in_child(block_size)
-            self._build()
-            log.info(
-                "CPU executor: %s GEMMs, %s ops between them%s",
-                self.mode,
-                "compiled" if self.compiled else "torch",
-                f"; steps of up to {self.fused.max_tokens} tokens in one compiled call"
-                if self.fused is not None
-                else "",
-            )
-            if self.compiled:
-                with torch.inference_mode():
-                    self._run_warm_up_batches(block_size, cached)
+                if cached and self.store is not None and self.store.is_file():
+                    # The child stored the weights it built: `activate` reads them back
+                    # once the dense weights are released, so the two forms never
+                    # coexist beside a serving torch forward.
+                    self._build_at_activation = block_size
+                    self._ready.set()
+                    return
+            self._build_and_load(block_size, cached)
         except Exception as exc:  # kept and reported: the torch forward serves instead
             self.error = exc
             log.exception("CPU executor: warm-up failed; the model's torch forward serves")
             return
         self._ready.set()
+
+    def _build_and_load(self, block_size: int, cached: bool) -> None:
+        """`_build`, then the warm-up batches that compile or load the kernels."""
+        self._build()
+        log.info(
+            "CPU executor: %s GEMMs, %s ops between them%s",
+            self.mode,
+            "compiled" if self.compiled else "torch",
+            f"; steps of up to {self.fused.max_tokens} tokens in one compiled call"
+            if self.fused is not None
+            else "",
+        )
+        if self.compiled:
+            with torch.inference_mode():
+                self._run_warm_up_batches(block_size, cached)
 
     def compile_in_child(self, block_size: int) -> bool:
         """Compile every kernel serving will call into numba's disk cache in a forked
@@ -388,11 +402,21 @@ class CpuExecutor:
 
     def activate(self) -> None:
         """Start serving: release the model's dense GEMM weights, which the executor holds
-        in its own form. Call between steps, from the thread that runs them."""
+        in its own form. Call between steps, from the thread that runs them. After a
+        child compiled the kernels, the executor's form is read from the store here,
+        once the dense weights are released (a pause of a second or two); if that fails
+        it raises with the dense weights released, and the caller reads them again."""
         if self.active:
             return
         if not self.ready:
             raise RuntimeError("CPU executor: activate before warm-up finished")
+        self._release_dense_weights()
+        if self._build_at_activation is not None:
+            self._build_and_load(self._build_at_activation, cached=True)
+            self._build_at_activation = None
+        self.active = True
+
+    def _release_dense_weights(self) -> None:
         model = self.model
         for layer in model.layers:
             for linear in layer.linears():
@@ -401,7 +425,6 @@ class CpuExecutor:
             model.lm_head.weight = nn.Parameter(
                 model.lm_head.weight.to("meta"), requires_grad=False
             )
-        self.active = True
 
     @torch.inference_mode()
     def forward(

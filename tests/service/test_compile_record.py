@@ -78,6 +78,7 @@ def test_a_recorded_kernel_set_is_built_before_serving(
         assert time.monotonic() < deadline, "no record once the kernels were ready"
         time.sleep(0.05)
 
+    first.runner.executor.activate()  # builds from the store its compiling child wrote
     second = LLMEngine(config)
     assert second.runner.executor is not None and second.runner.executor.active
     assert second.runner.executor.mode == first.runner.executor.mode

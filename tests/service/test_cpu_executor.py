@@ -223,3 +223,73 @@ def test_a_background_warm_up_compiles_in_a_child_and_only_loads_here(
     assert "compiling the kernels in a child process" in done.stderr
     assert counts["misses"] == 0, done.stderr[-3000:]
     assert counts["hits"] > 0
+
+
+# As above, with a weight store: the child stores the weights it built, and this process
+# reads them back at activation, once the model's dense weights are released.
+STORED_COMPILE_SCRIPT = """
+import gc, json, logging, sys
+from pathlib import Path
+import numba, torch
+sys.path.insert(0, sys.argv[1])
+from paged_cache import PagedCache
+from test_cpu_executor import BASE, random_model
+from pagedinfer.kernels import cpu
+from pagedinfer.service.models import ModelConfig
+logging.basicConfig(level=logging.INFO)
+config = ModelConfig(**BASE)
+model = random_model(config)
+executor = cpu.prepare(model, 16, background=True, store=Path(sys.argv[2]))
+if executor is None or executor.mode != "grid":
+    print(json.dumps(None)); sys.exit()
+assert executor.wait_ready(timeout=900), executor.error
+prompt = [(0, list(range(3, 30)), 0)]
+with torch.inference_mode():
+    want = PagedCache(config, 1, 40, seed=3).step(model, prompt)[0]
+built_ready = executor.fused is not None
+dense_at_build = []
+build = executor._build
+def spy():
+    dense_at_build.append(not model.layers[0].self_attn.qkv_proj.weight.is_meta)
+    build()
+executor._build = spy
+executor.activate()
+with torch.inference_mode():
+    got = PagedCache(config, 1, 40, seed=3).step(executor, prompt)[0]
+dispatchers = [o for o in gc.get_objects() if isinstance(o, numba.core.dispatcher.Dispatcher)]
+print(json.dumps({
+    "built_when_ready": built_ready,
+    "dense_at_build": dense_at_build,
+    "max_diff": float((got - want).abs().max()),
+    "misses": sum(sum(d._cache_misses.values()) for d in dispatchers),
+    "hits": sum(sum(d._cache_hits.values()) for d in dispatchers),
+}))
+"""
+
+
+def test_after_a_child_compile_the_stored_weights_are_read_once_the_dense_ones_are_released(
+    tmp_path: Path,
+) -> None:
+    """The server never holds the executor's form of the weights beside the dense ones:
+    the child stores what it built, and activation releases the dense weights, then reads
+    the store and loads every kernel the child compiled (none compiled here: the kinds
+    read back give the kernels the keys the child's had), and serves the torch forward's
+    logits."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    env.pop("PAGEDINFER_NUMBA_PREBUILT", None)
+    done = subprocess.run(
+        [sys.executable, "-c", STORED_COMPILE_SCRIPT, str(Path(__file__).parent),
+         str(tmp_path / "grids.bin")],
+        capture_output=True, text=True, timeout=1200, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    if found is None:
+        pytest.skip("no compiled grid GEMMs on this machine")
+    assert "compiling the kernels in a child process" in done.stderr
+    assert (tmp_path / "grids.bin").is_file()
+    assert not found["built_when_ready"]
+    assert found["dense_at_build"] == [False]
+    assert found["misses"] == 0, done.stderr[-3000:]
+    assert found["hits"] > 0
+    assert found["max_diff"] < 1e-3

@@ -5,6 +5,7 @@ of other shapes, or that cannot be written never stops the executor."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import shutil
 from pathlib import Path
@@ -178,3 +179,44 @@ def test_a_store_cut_short_is_ignored(tmp_path: Path, caplog: pytest.LogCaptureF
         store.write_bytes(whole[:cut])
         assert weight_store.load(store, shapes) is None, cut
     assert "unreadable weight store" in caplog.text
+
+
+def test_a_store_broken_before_activation_leaves_the_torch_forward_serving(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    make_tiny_model: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """After a child compiled the kernels and stored the weights, the server reads them at
+    activation, once its dense weights are released; a store broken by then gets the
+    dense weights read again, and the torch forward serves the tokens an executor would."""
+    from pagedinfer.kernels.cpu import compile_record
+    from pagedinfer.service.config import EngineConfig
+    from pagedinfer.service.engine import LLMEngine
+
+    caplog.set_level(logging.INFO)
+    monkeypatch.setenv("PAGEDINFER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compile_record, "record_directory", lambda: tmp_path / "records")
+    model = shutil.copytree(make_tiny_model("llama"), tmp_path / "model")
+    config = EngineConfig(
+        model=str(model), max_model_len=64, kv_cache_memory=2**22, compile_in_background=True
+    )
+    prompt = list(range(5, 25))
+
+    engine = LLMEngine(config)
+    executor = engine.runner.executor
+    assert executor is not None and executor.wait_ready(timeout=900), executor.error
+    if "compiling the kernels in a child process" not in caplog.text:
+        pytest.skip("no fork or no writable numba cache here: nothing is built at activation")
+    assert executor.fused is None  # left for activation
+    (store,) = (tmp_path / "cpu-weights").glob("*.bin")
+    store.write_bytes(b"broken")
+    tokens = greedy(engine, prompt)
+    assert "failed to start serving; the torch forward serves" in caplog.text
+    assert engine.runner.executor is None
+    layer = engine.runner.model.layers[0]
+    assert not any(linear.weight.is_meta for linear in layer.linears())
+
+    reference = LLMEngine(dataclasses.replace(config, compile_in_background=False))
+    assert reference.runner.executor is not None and reference.runner.executor.active
+    assert tokens == greedy(reference, prompt)
