@@ -231,7 +231,7 @@ class ModelRunner:
         None where it failed to start (its dense weights are then read again, and the
         torch forward keeps serving)."""
         try:
-            executor.activate()
+            executor.activate(released=memory.release_free_heap)
         except Exception:
             log.exception("CPU executor: failed to start serving; the torch forward serves")
             self.executor = None
@@ -239,7 +239,6 @@ class ModelRunner:
             self.loaded.deferred = self.loaded.deferred | released
             self.loaded.load_deferred()
             return None
-        memory.release_free_heap()  # the dense weights it released
         log.info("CPU executor: kernels ready, serving every step")
         return executor
 

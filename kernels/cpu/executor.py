@@ -29,7 +29,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -400,17 +400,22 @@ class CpuExecutor:
     def wait_ready(self, timeout: float | None = None) -> bool:
         return self._ready.wait(timeout)
 
-    def activate(self) -> None:
+    def activate(self, released: Callable[[], None] | None = None) -> None:
         """Start serving: release the model's dense GEMM weights, which the executor holds
         in its own form. Call between steps, from the thread that runs them. After a
         child compiled the kernels, the executor's form is read from the store here,
         once the dense weights are released (a pause of a second or two); if that fails
-        it raises with the dense weights released, and the caller reads them again."""
+        it raises with the dense weights released, and the caller reads them again.
+        released: called between the two, e.g. to hand the freed heap back to the kernel
+        before the store's arrays are allocated (in another thread's arena, they would
+        not reuse it)."""
         if self.active:
             return
         if not self.ready:
             raise RuntimeError("CPU executor: activate before warm-up finished")
         self._release_dense_weights()
+        if released is not None:
+            released()
         if self._build_at_activation is not None:
             self._build_and_load(self._build_at_activation, cached=True)
             self._build_at_activation = None
