@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba.core import types
 
@@ -66,7 +67,8 @@ LANES = 16  # output columns per tile: one 512-bit vector of fp32
 GRID_BLOCK = 32  # inputs sharing one scale (and offset), as in GGUF's Q4_1 and Q8_0
 # The most rows one pass over the weight serves (more rows take more passes); from
 # WIDE_ROWS rows a pass works on half of TILE_GROUP tiles at once, so that accumulators,
-# weights and scales stay in the 32 vector registers.
+# weights and scales stay in AVX-512's 32 vector registers (without AVX-512, one tile at
+# a time: `tiles_per_group`).
 MAX_ROWS = 8
 # Past MAX_ROWS rows, the rows run SCRATCH_ROWS at a time over all TILE_GROUP tiles of the
 # rebuilt scratch in one pass (24 accumulators: each input broadcast feeds 4 tiles).
@@ -75,6 +77,9 @@ TILE_GROUP = 4
 WIDE_ROWS = 3
 # The most new tokens the fused step takes (`fused_step`); larger steps run layer by layer.
 GRID_MAX_ROWS = 512
+# Whether this CPU has 512-bit vectors (32 registers of 16 fp32 lanes), which the tile
+# groups are sized for (`tiles_per_group`).
+_WIDE_VECTORS = bool(llvm.get_host_cpu_features().get("avx512f", False))
 AFFINE4, SCALED8 = "affine4", "scaled8"
 # 8-bit codes with fp32 scales and offsets per FINE_BLOCK inputs: any grid above, and the
 # K-quants' runs of 16 with scales that are products of two (exact in fp32, not in fp16).
@@ -516,7 +521,7 @@ def gemm_kernel(
     gate tile j into out tile `first` + j (add unused). The product itself is never
     written: each worker takes the SiLU of its own tiles while they are in registers."""
     k, parts = in_features, len(ends)
-    tb, steps = group_tiles or tiles_per_group(rows), 2 if kind == AFFINE4 else 1
+    tb, steps = group_tiles or tiles_per_group(rows, silu), 2 if kind == AFFINE4 else 1
     scaled = kind not in DENSE  # weights on no grid have no scales
     block = block_of(kind)
     blocks = k // block
@@ -596,7 +601,14 @@ def gemm_kernel(
     return gemm
 
 
-def tiles_per_group(rows: int) -> int:
+def tiles_per_group(rows: int, silu: bool = False) -> int:
+    """Tiles one pass of `gemm_kernel` works on at once. Each tile's accumulators take
+    `rows` vectors of 16 lanes: AVX-512's 32 registers hold four tiles' up to WIDE_ROWS
+    rows, two tiles' beyond; a CPU without AVX-512 holds a 16-lane vector in two of its
+    16 registers, so one tile (a SiLU kernel needs two: a gate tile and its up tile).
+    The grouping never changes a result: each output sums in its own fixed order."""
+    if not _WIDE_VECTORS:
+        return 2 if silu else 1
     return TILE_GROUP if rows <= WIDE_ROWS else TILE_GROUP // 2
 
 
@@ -620,7 +632,9 @@ def gemm_all_rows(
     blocks = k // block
     scaled = kind not in DENSE
     one_pass = _by_rows(kind, k, ends, fused, silu)
-    over_scratch = _by_rows(REBUILT, k, ends, fused, silu, SCRATCH_ROWS, TILE_GROUP)
+    # The scratch's TILE_GROUP tiles, all at once where the registers hold them.
+    scratch_tiles = TILE_GROUP if _WIDE_VECTORS else tiles_per_group(SCRATCH_ROWS, silu)
+    over_scratch = _by_rows(REBUILT, k, ends, fused, silu, SCRATCH_ROWS, scratch_tiles)
     half = TILE_GROUP // 2  # with silu: a group's gate tiles, then as many of up
 
     @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
