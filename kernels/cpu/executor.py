@@ -156,7 +156,7 @@ class CpuExecutor:
 
         if self.store is None:
             return choose_grids(self.model)
-        shapes = [[tuple(w.shape) for w in ws] for ws in _gemm_weights(self.model)]
+        shapes = gemm_shapes(self.model)
         grids = weight_store.load(self.store, shapes)
         if grids is not None:
             log.info("GEMM grids read from the store of an earlier start (%s)", self.store.name)
@@ -720,6 +720,12 @@ def choose_grids(model: nn.Module) -> tuple[list[list[Any]], Any] | None:
     log.info("GEMM grids per position: %s", ", ".join(described))
     layers = [list(layer) for layer in zip(*chosen[:4], strict=True)]
     return layers, chosen[4][0]
+
+
+def gemm_shapes(model: nn.Module) -> list[list[tuple[int, int]]]:
+    """Each layer's GEMM weight shapes (out, in) by position, the LM head's last: what a
+    weight store must hold (`weight_store.load`)."""
+    return [[tuple(w.shape) for w in ws] for ws in _gemm_weights(model)]
 
 
 def _gemm_weights(model: nn.Module) -> list[list[torch.Tensor]]:

@@ -63,7 +63,7 @@ def test_stored_kinds_are_the_kernels_own_strings_so_their_disk_cache_hits(
 
     model, store = mixed_kinds_model(), tmp_path / "grids.bin"
     cpu.prepare(copy.deepcopy(model), BLOCK_SIZE, store=store)
-    shapes = [[tuple(w.shape) for w in ws] for ws in executor_module._gemm_weights(model)]
+    shapes = executor_module.gemm_shapes(model)
     layers, lm_head = weight_store.load(store, shapes)
     for grid in (*layers[0], lm_head):
         own = next(k for k in (*grid_gemm.GRIDS, *grid_gemm.DENSE) if k == grid.kind)
@@ -80,14 +80,14 @@ def test_an_unreadable_store_is_chosen_again_and_rewritten(
         executor = cpu.prepare(copy.deepcopy(model), BLOCK_SIZE, store=store)
     assert executor is not None and executor.mode == "grid"
     assert "unreadable weight store" in caplog.text
-    shapes = [[tuple(w.shape) for w in ws] for ws in executor_module._gemm_weights(model)]
+    shapes = executor_module.gemm_shapes(model)
     assert weight_store.load(store, shapes) is not None
 
 
 def test_a_store_of_other_shapes_is_ignored(tmp_path: Path) -> None:
     model, store = mixed_kinds_model(), tmp_path / "grids.bin"
     cpu.prepare(copy.deepcopy(model), BLOCK_SIZE, store=store)
-    shapes = [[tuple(w.shape) for w in ws] for ws in executor_module._gemm_weights(model)]
+    shapes = executor_module.gemm_shapes(model)
     assert weight_store.load(store, shapes) is not None
     assert weight_store.load(store, shapes[1:]) is None  # one layer fewer
     wider = [[(out * 2, k) for out, k in layer] for layer in shapes]
@@ -166,14 +166,14 @@ def test_a_start_over_a_stored_executor_never_reads_the_dense_gemm_weights(
     assert third.runner.executor.active
     assert "not serving from its stored weights" in caplog.text
     assert greedy(third, prompt) == want
-    shapes = [[tuple(w.shape) for w in ws] for ws in executor_module._gemm_weights(layer_owner)]
+    shapes = executor_module.gemm_shapes(layer_owner)
     assert weight_store.load(stores[0], shapes) is not None  # stored again
 
 
 def test_a_store_cut_short_is_ignored(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     model, store = mixed_kinds_model(), tmp_path / "grids.bin"
     cpu.prepare(copy.deepcopy(model), BLOCK_SIZE, store=store)
-    shapes = [[tuple(w.shape) for w in ws] for ws in executor_module._gemm_weights(model)]
+    shapes = executor_module.gemm_shapes(model)
     whole = store.read_bytes()
     for cut in (len(whole) - 1, len(whole) // 2, 40, 0):
         store.write_bytes(whole[:cut])
