@@ -18,6 +18,8 @@ on its own:
 
     python benchmarks/step_profile.py                 # the default workload, JSON
     python benchmarks/step_profile.py --num-requests 8
+    python benchmarks/step_profile.py --workload chat --num-requests 49 --model noisy \
+        --num-speculative-tokens 0
 """
 
 from __future__ import annotations
@@ -173,8 +175,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-memory", type=int, default=256 * 2**20)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument(
+        "--workload",
+        choices=("mixed", "chat"),
+        default="mixed",
+        help="mixed: random token ids (the options above); chat: the first --num-requests "
+        "real chat prompts, as throughput.py's chat workload",
+    )
+    ap.add_argument(
+        "--model",
+        default="embedded",
+        help="as throughput.py's --model: embedded, noisy, noisy-bf16, or a local Hugging "
+        "Face directory or .gguf file",
+    )
     args = ap.parse_args(argv)
+    engine_model = throughput.resolve_model(args.model)[0]
     config = EngineConfig(
+        **({"model": engine_model} if engine_model is not None else {}),
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -182,7 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     engine = profiling_engine(config)
     vocab = engine.vocab_size
-    wl = throughput.workload_from_args(args, vocab)
+    if args.workload == "chat":
+        wl = throughput.Workload(
+            *throughput.chat_workload(engine.tokenizer, args.num_requests, args.max_model_len)
+        )
+    else:
+        wl = throughput.workload_from_args(args, vocab)
     warm = throughput.mixed_workload(
         4, vocab, args.seed + 1, args.prompt_mean, 8, args.max_model_len
     )
