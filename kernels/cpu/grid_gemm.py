@@ -67,12 +67,16 @@ LANES = 16  # output columns per tile: one 512-bit vector of fp32
 GRID_BLOCK = 32  # inputs sharing one scale (and offset), as in GGUF's Q4_1 and Q8_0
 # The most rows one pass over the weight serves (more rows take more passes); from
 # WIDE_ROWS rows a pass works on half of TILE_GROUP tiles at once, so that accumulators,
-# weights and scales stay in AVX-512's 32 vector registers (without AVX-512, one tile at
-# a time: `tiles_per_group`).
+# weights and scales stay in AVX-512's 32 vector registers (without AVX-512, fewer rows
+# and tiles: `row_limits`, `tiles_per_group`).
 MAX_ROWS = 8
 # Past MAX_ROWS rows, the rows run SCRATCH_ROWS at a time over all TILE_GROUP tiles of the
 # rebuilt scratch in one pass (24 accumulators: each input broadcast feeds 4 tiles).
 SCRATCH_ROWS = 6
+# Without AVX-512, a 16-lane accumulator takes two of the 16 registers: a pass keeps 12
+# of them, NARROW_ROWS rows of one tile (a SiLU kernel's one pass: half as many rows of
+# its two).
+NARROW_ROWS = 6
 TILE_GROUP = 4
 WIDE_ROWS = 3
 # The most new tokens the fused step takes (`fused_step`); larger steps run layer by layer.
@@ -601,6 +605,17 @@ def gemm_kernel(
     return gemm
 
 
+def row_limits(silu: bool = False) -> tuple[int, int]:
+    """(the most rows one pass over the weight serves, the rows one pass over the rebuilt
+    scratch takes) on this CPU: as many as keep every accumulator in a register, with the
+    tiles of `tiles_per_group`. MAX_ROWS and SCRATCH_ROWS with AVX-512; without it
+    NARROW_ROWS, one pass halved for a SiLU kernel's two tiles (over the scratch, the
+    SiLU comes after the product: `gemm_all_rows`)."""
+    if _WIDE_VECTORS:
+        return MAX_ROWS, SCRATCH_ROWS
+    return (NARROW_ROWS // 2 if silu else NARROW_ROWS), NARROW_ROWS
+
+
 def tiles_per_group(rows: int, silu: bool = False) -> int:
     """Tiles one pass of `gemm_kernel` works on at once. Each tile's accumulators take
     `rows` vectors of 16 lanes: AVX-512's 32 registers hold four tiles' up to WIDE_ROWS
@@ -617,12 +632,12 @@ def gemm_all_rows(
     kind: str, in_features: int, ends: tuple[int, ...], fused: bool, silu: bool = False
 ) -> Callable[..., None]:
     """gemm(x, codes, scales, out, add, worker, workers): `gemm_kernel`'s product for every
-    row of x, summed in the `SumOrder` (ends, fused). Up to MAX_ROWS rows take one pass
-    over the weight, rebuilding each weight in registers; more rows rebuild a group of
-    TILE_GROUP tiles at a time into scratch (fp32, in L2) and run SCRATCH_ROWS rows at a
-    time over it, so the weight is read and rebuilt once whatever the rows. Every worker
-    takes part: a share of the tile groups, and past MAX_ROWS rows a share of the rows of
-    the groups that do not divide evenly among them.
+    row of x, summed in the `SumOrder` (ends, fused). Up to MAX_ROWS rows (`row_limits`)
+    take one pass over the weight, rebuilding each weight in registers; more rows rebuild
+    a group of TILE_GROUP tiles at a time into scratch (fp32, in L2) and run SCRATCH_ROWS
+    rows at a time over it, so the weight is read and rebuilt once whatever the rows.
+    Every worker takes part: a share of the tile groups, and past one pass's rows a share
+    of the rows of the groups that do not divide evenly among them.
 
     silu: out [M, out_features / 32, 16] gets silu(gate) * up of the product of a [gate |
     up] weight, as `gemm_kernel` gives it."""
@@ -631,10 +646,13 @@ def gemm_all_rows(
     block = block_of(kind)
     blocks = k // block
     scaled = kind not in DENSE
-    one_pass = _by_rows(kind, k, ends, fused, silu)
-    # The scratch's TILE_GROUP tiles, all at once where the registers hold them.
-    scratch_tiles = TILE_GROUP if _WIDE_VECTORS else tiles_per_group(SCRATCH_ROWS, silu)
-    over_scratch = _by_rows(REBUILT, k, ends, fused, silu, SCRATCH_ROWS, scratch_tiles)
+    most, scratch_rows = row_limits(silu)
+    one_pass = _by_rows(kind, k, ends, fused, silu, most)
+    # Over the scratch the product itself, all TILE_GROUP tiles at once where the
+    # registers hold them; with silu it goes to `product`, and `_silu_rows` makes out of
+    # it (inside a kernel over so few rows the SiLU came out scalar: twice the GEMM's time).
+    scratch_tiles = TILE_GROUP if _WIDE_VECTORS else tiles_per_group(scratch_rows)
+    over_scratch = _by_rows(REBUILT, k, ends, fused, False, scratch_rows, scratch_tiles)
     half = TILE_GROUP // 2  # with silu: a group's gate tiles, then as many of up
 
     @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
@@ -648,7 +666,7 @@ def gemm_all_rows(
         workers: int,
     ) -> None:
         m, tiles = x.shape[0], out.shape[1] * (2 if silu else 1)
-        if m <= MAX_ROWS:
+        if m <= most:
             one_pass(m, x, 0, codes, scales, out, 0, tiles, add, worker, workers)
             return
         # Tasks: whole groups, while they divide evenly among the workers; each group left
@@ -659,11 +677,13 @@ def gemm_all_rows(
         whole = groups - groups % workers
         w = stack_array((TILE_GROUP, k, LANES))
         dm = stack_array((2, LANES))
+        product = np.empty((m if silu else 0, TILE_GROUP, LANES), dtype=np.float32)
+        silu_scratch = np.empty((4, half * LANES), dtype=np.float32)
         for task in range(worker, whole + (groups - whole) * workers, workers):
-            group, first_row, row_step = task, 0, SCRATCH_ROWS
+            group, first_row, row_step = task, 0, scratch_rows
             if task >= whole:
                 group = whole + (task - whole) // workers
-                first_row, row_step = worker * SCRATCH_ROWS, workers * SCRATCH_ROWS
+                first_row, row_step = worker * scratch_rows, workers * scratch_rows
             t0 = group * TILE_GROUP
             for b in range(TILE_GROUP):
                 t = t0 + b
@@ -676,10 +696,32 @@ def gemm_all_rows(
                         _dequant(w[b, i:], kind, codes, t * code_row + i // steps * LANES, dm)
             first = group * half if silu else t0
             for r0 in range(first_row, m, row_step):
-                rows = min(SCRATCH_ROWS, m - r0)
-                over_scratch(rows, x, r0, w, scales, out, first, TILE_GROUP, add, 0, 1)
+                rows = min(scratch_rows, m - r0)
+                if silu:
+                    over_scratch(rows, x, r0, w, scales, product, 0, TILE_GROUP, False, 0, 1)
+                    _silu_rows(product, r0, rows, out, first, silu_scratch)
+                else:
+                    over_scratch(rows, x, r0, w, scales, out, first, TILE_GROUP, add, 0, 1)
 
     return gemm
+
+
+@jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
+def _silu_rows(
+    product: np.ndarray, r0: int, rows: int, out: np.ndarray, first: int, scratch: np.ndarray
+) -> None:
+    """out[r, first + j] = silu(gate) * up for rows r0 .. r0 + rows - 1 of a tile group's
+    product [M, TILE_GROUP, 16] (its gate tiles, then the same tiles of up), as
+    `layer_ops.silu_times` computes it. scratch: fp32 [4, TILE_GROUP / 2 * 16]."""
+    half = TILE_GROUP // 2
+    result, negative, decay = scratch[0], scratch[1], scratch[2]
+    bits = scratch[3].view(np.int32)
+    for r in range(r0, r0 + rows):
+        gate = product[r, :half].reshape(half * LANES)
+        up = product[r, half:].reshape(half * LANES)
+        silu_times(gate, up, result, negative, decay, bits)
+        for b in range(half):
+            lanes_copy(out[r, first + b], result[b * LANES :], LANES)
 
 
 @functools.cache

@@ -301,14 +301,19 @@ def test_other_orders_give_other_bits() -> None:
 # Row counts that take each way of sharing the work: four tiles at a time (up to
 # WIDE_ROWS), two (up to MAX_ROWS), and past MAX_ROWS whole groups rebuilt into scratch,
 # the groups left over shared by rows, SCRATCH_ROWS at a time and then every count of
-# rows left over (1 to SCRATCH_ROWS - 1).
-SHARED_ROWS = (
-    1,
-    grid_gemm.WIDE_ROWS,
-    grid_gemm.WIDE_ROWS + 1,
-    grid_gemm.MAX_ROWS,
-    *range(grid_gemm.MAX_ROWS + 1, grid_gemm.MAX_ROWS + grid_gemm.SCRATCH_ROWS + 1),
-    grid_gemm.MAX_ROWS + 14,
+# rows left over (1 to SCRATCH_ROWS - 1); and each side of this CPU's `row_limits`.
+SHARED_ROWS = tuple(
+    sorted(
+        {
+            1,
+            grid_gemm.WIDE_ROWS,
+            grid_gemm.WIDE_ROWS + 1,
+            grid_gemm.MAX_ROWS,
+            *range(grid_gemm.MAX_ROWS + 1, grid_gemm.MAX_ROWS + grid_gemm.SCRATCH_ROWS + 1),
+            grid_gemm.MAX_ROWS + 14,
+            *(rows + 1 for rows in (*grid_gemm.row_limits(), *grid_gemm.row_limits(True))),
+        }
+    )
 )
 
 
