@@ -650,7 +650,8 @@ def gemm_all_rows(
     one_pass = _by_rows(kind, k, ends, fused, silu, most)
     # Over the scratch the product itself, all TILE_GROUP tiles at once where the
     # registers hold them; with silu it goes to `product`, and `_silu_rows` makes out of
-    # it (inside a kernel over so few rows the SiLU came out scalar: twice the GEMM's time).
+    # it (the SiLU inside this kernel, called for a few rows at a time, cost more than
+    # the product).
     scratch_tiles = TILE_GROUP if _WIDE_VECTORS else tiles_per_group(scratch_rows)
     over_scratch = _by_rows(REBUILT, k, ends, fused, False, scratch_rows, scratch_tiles)
     half = TILE_GROUP // 2  # with silu: a group's gate tiles, then as many of up
