@@ -655,6 +655,31 @@ def gemm_all_rows(
     scratch_tiles = TILE_GROUP if _WIDE_VECTORS else tiles_per_group(scratch_rows)
     over_scratch = _by_rows(REBUILT, k, ends, fused, False, scratch_rows, scratch_tiles)
     half = TILE_GROUP // 2  # with silu: a group's gate tiles, then as many of up
+    # fp32 weights are already what the scratch would hold: the rows run over the weight's
+    # own tiles, with no copy (a gate/up pair in two halves, where a pass takes a half).
+    in_place = kind == REBUILT and (not silu or scratch_tiles <= half)
+    halves = silu and scratch_tiles <= half
+    scratch_tiles_held = 0 if in_place else TILE_GROUP
+
+    @jit(inline="always")
+    def group_weights(
+        codes: np.ndarray, scales: np.ndarray, w: np.ndarray, dm: np.ndarray, group: int, tiles: int
+    ) -> tuple[np.ndarray, int, int]:
+        """(the array holding the group's tiles, its first gate tile, its first up tile;
+        without silu its first tile twice): the weight itself, or the scratch w that the
+        group was rebuilt into (gate tiles, then up)."""
+        if in_place:
+            if silu:
+                return codes, group * half, tiles // 2 + group * half
+            return codes, group * TILE_GROUP, group * TILE_GROUP
+        for b in range(TILE_GROUP):
+            t = _paired_tile(group, b, half, tiles) if silu else group * TILE_GROUP + b
+            for i0 in range(0, k, block):
+                if scaled:
+                    _block_scales(dm, scales, (t * blocks + i0 // block) * 2 * LANES)
+                for i in range(i0, i0 + block, steps):
+                    _dequant(w[b, i:], kind, codes, t * code_row + i // steps * LANES, dm)
+        return w, 0, half
 
     @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
     def gemm(
@@ -676,33 +701,41 @@ def gemm_all_rows(
         # ones each, the ninth split by rows).
         groups = tiles // TILE_GROUP
         whole = groups - groups % workers
-        w = stack_array((TILE_GROUP, k, LANES))
+        w = stack_array((scratch_tiles_held, k, LANES))
         dm = stack_array((2, LANES))
-        product = np.empty((m if silu else 0, TILE_GROUP, LANES), dtype=np.float32)
-        silu_scratch = np.empty((4, half * LANES), dtype=np.float32)
+        # With silu: the product's gate and up outputs [2, M, half, 16], so that a block
+        # of rows takes its SiLU in one call (and, where a pass takes the whole group,
+        # the group's product as that pass writes it).
+        product = np.empty((2, m if silu else 0, half, LANES), dtype=np.float32)
+        whole_group = np.empty((m if silu and not halves else 0, TILE_GROUP, LANES), np.float32)
+        silu_scratch = np.empty((4 if silu else 0, scratch_rows * half * LANES), np.float32)
         for task in range(worker, whole + (groups - whole) * workers, workers):
             group, first_row, row_step = task, 0, scratch_rows
             if task >= whole:
                 group = whole + (task - whole) // workers
                 first_row, row_step = worker * scratch_rows, workers * scratch_rows
-            t0 = group * TILE_GROUP
-            for b in range(TILE_GROUP):
-                t = t0 + b
-                if silu:
-                    t = _paired_tile(group, b, half, tiles)
-                for i0 in range(0, k, block):
-                    if scaled:
-                        _block_scales(dm, scales, (t * blocks + i0 // block) * 2 * LANES)
-                    for i in range(i0, i0 + block, steps):
-                        _dequant(w[b, i:], kind, codes, t * code_row + i // steps * LANES, dm)
-            first = group * half if silu else t0
+            weights, gate, up = group_weights(codes, scales, w, dm, group, tiles)
+            first = group * half if silu else group * TILE_GROUP
             for r0 in range(first_row, m, row_step):
                 rows = min(scratch_rows, m - r0)
-                if silu:
-                    over_scratch(rows, x, r0, w, scales, product, 0, TILE_GROUP, False, 0, 1)
-                    _silu_rows(product, r0, rows, out, first, silu_scratch)
+                if not silu:
+                    tile_group = weights[gate : gate + TILE_GROUP]
+                    over_scratch(rows, x, r0, tile_group, scales, out, first, TILE_GROUP, add, 0, 1)
+                    continue
+                if halves:
+                    gates, ups = weights[gate : gate + half], weights[up : up + half]
+                    over_scratch(rows, x, r0, gates, scales, product[0], 0, half, False, 0, 1)
+                    over_scratch(rows, x, r0, ups, scales, product[1], 0, half, False, 0, 1)
                 else:
-                    over_scratch(rows, x, r0, w, scales, out, first, TILE_GROUP, add, 0, 1)
+                    tile_group = weights[gate : gate + TILE_GROUP]
+                    over_scratch(
+                        rows, x, r0, tile_group, scales, whole_group, 0, TILE_GROUP, False, 0, 1
+                    )
+                    for r in range(r0, r0 + rows):
+                        for b in range(half):
+                            lanes_copy(product[0, r, b], whole_group[r, b], LANES)
+                            lanes_copy(product[1, r, b], whole_group[r, half + b], LANES)
+                _silu_rows(product, r0, rows, out, first, silu_scratch)
 
     return gemm
 
@@ -712,17 +745,18 @@ def _silu_rows(
     product: np.ndarray, r0: int, rows: int, out: np.ndarray, first: int, scratch: np.ndarray
 ) -> None:
     """out[r, first + j] = silu(gate) * up for rows r0 .. r0 + rows - 1 of a tile group's
-    product [M, TILE_GROUP, 16] (its gate tiles, then the same tiles of up), as
-    `layer_ops.silu_times` computes it. scratch: fp32 [4, TILE_GROUP / 2 * 16]."""
+    product [2, M, TILE_GROUP / 2, 16] (its gate tiles' outputs, then the same tiles' of
+    up), in one `layer_ops.silu_times` over the rows. scratch: fp32 [4, rows * 32 or more]."""
     half = TILE_GROUP // 2
+    n = rows * half * LANES
     result, negative, decay = scratch[0], scratch[1], scratch[2]
     bits = scratch[3].view(np.int32)
-    for r in range(r0, r0 + rows):
-        gate = product[r, :half].reshape(half * LANES)
-        up = product[r, half:].reshape(half * LANES)
-        silu_times(gate, up, result, negative, decay, bits)
+    gate = product[0, r0 : r0 + rows].reshape(n)
+    up = product[1, r0 : r0 + rows].reshape(n)
+    silu_times(gate, up, result, negative, decay, bits)
+    for r in range(rows):
         for b in range(half):
-            lanes_copy(out[r, first + b], result[b * LANES :], LANES)
+            lanes_copy(out[r0 + r, first + b], result[(r * half + b) * LANES :], LANES)
 
 
 @functools.cache
