@@ -7,8 +7,8 @@ with faster parts, picked from the configuration and the CPU alone:
   kind (a model that came as a GGUF file: "grid"), else from the fp32 weights in the
   same tile layout ("rebuilt"); steps of up
   to `grid_gemm.GRID_MAX_ROWS` tokens run as one compiled call (`fused_step`), and on
-  an 8-bit grid LM head greedy rows' tokens are picked without their logits
-  (`greedy_argmax`, where the CPU has AVX-512 VNNI);
+  any LM head greedy rows' tokens are picked without most of their logits
+  (`greedy_argmax`, where the CPU has AVX2 or AVX-512 VNNI);
 - otherwise the matmul library's packed layout ("mkl" for fp32, "onednn" for bf16 on
   CPUs with native bf16), or the weights as they are ("dense");
 - with fp32 weights, the ops between the GEMMs in compiled kernels (`layer_ops`) and
@@ -173,14 +173,8 @@ class CpuExecutor:
 
         model = self.model
         orders = [grid_gemm.fixed_order(g.in_features) for g in (*layer_grids[0], lm_head)]
-        # The 8-bit argmax reads d alone: an LM head with offsets m (a GGUF Q5_1) gets none.
-        offsets = (
-            lm_head.kind == grid_gemm.SCALED8 and lm_head.scales[:, :, 1].view(np.float16).any()
-        )
         argmax = (
-            greedy_argmax.ArgmaxWeights.of(lm_head, orders[4])
-            if greedy_argmax.fast() and not offsets
-            else None
+            greedy_argmax.ArgmaxWeights.of(lm_head, orders[4]) if greedy_argmax.fast() else None
         )
         norms = torch.stack([torch.stack(_norms(layer)) for layer in model.layers])
         self.fused = fused_step.FusedWeights.stack(

@@ -261,7 +261,7 @@ def _new_setup(
             *weights.argmax.pool.get(argmax_rows.shape[0], workers).args(),
         )
     else:
-        argmax_weight_args = greedy_argmax.no_args()
+        argmax_weight_args = greedy_argmax.no_args(weights.codes[4], weights.scales[4])
     return _Setup(
         kernel=_kernel(shape, weights.kinds, weights.orders, num_layers, profiled),
         weight_args=(
@@ -449,7 +449,7 @@ def _kernel(
     gate_up_gemm = gemm(2, shape.hidden, silu=True)  # gives silu(gate) * up
     down_gemm = gemm(3, shape.intermediate)
     lm_gemm = gemm(4, shape.hidden)
-    quantize, approximate, pick = greedy_argmax.phase_kernels(shape.hidden, orders[4])
+    quantize, approximate, pick = greedy_argmax.phase_kernels(shape.hidden, orders[4], kinds[4])
     decode = paged_decode.compiled_kernel(shape.block_size, nh, nkv, d)
     verify = paged_verify.compiled_kernel(shape.block_size, nh, nkv, d)
     rms_norm, rope_write_kv = layer_ops.rms_norm_rows, layer_ops.rope_write_kv_rows

@@ -5,19 +5,21 @@ Greedy decoding needs one number from the LM head: which of its outputs is large
 a large vocabulary the LM head is a large share of a decode token's work. Here it runs
 in three phases over rows of final-normed hidden states:
 
-1. `quantize`: each block of 32 inputs of a row becomes 8-bit codes with a scale
-   s = max |h| / 127, and the norm of what that rounding left out is kept per block.
-2. `approximate`: every logit from the 8-bit codes of the LM head's own grid (an 8-bit
-   grid, as GGUF's Q8_0: w = d * q per block of 32 inputs), each block summed exactly in
-   32-bit integers (AVX-512 VNNI: 64 byte products per instruction, where an fp32 FMA
-   does 16), then scaled by d * s.
+1. `quantize`: each block of 32 inputs of a row becomes 8-bit codes (7-bit without
+   VNNI: `ROW_CODE_MAX`) with a scale s = max |h| / ROW_CODE_MAX; the norm of what that
+   rounding left out, and the block's own norm, are kept per block.
+2. `approximate`: every logit from 8-bit codes of the LM head (w = d * q + f per block of
+   32 inputs: an 8-bit grid such as GGUF's Q8_0 as it is, f = 0; any other LM head
+   rounded to one, f what that left out), each block summed exactly in 32-bit integers
+   (AVX-512 VNNI: 64 byte products per instruction; AVX2: 32 per vpmaddubsw and
+   vpmaddwd pair; an fp32 FMA does 16 or 8), then scaled by d * s.
 3. `pick`: a logit differs from its approximation by at most the bound
-   sum_b |d_b| ||q_b|| ||e_b|| (Cauchy-Schwarz per block, e the rounding left out) plus
-   a margin for fp32 rounding. Only outputs whose approximation lies within the bounds
-   of the best one can be the argmax (typically a handful). Those are computed exactly,
-   with the grid GEMM that computes the full logits (`grid_gemm.gemm_kernel`, one row,
-   its group of 64 outputs), in the same order, and the first largest wins, as numpy's
-   argmax picks.
+   sum_b |d_b| ||q_b|| ||e_b|| + ||f_b|| ||h_b|| (Cauchy-Schwarz per block, e the row's
+   rounding left out) plus a margin for fp32 rounding. Only outputs whose approximation
+   lies within the bounds of the best one can be the argmax (typically a handful). Those
+   are computed exactly, with the GEMM that computes the full logits
+   (`grid_gemm.gemm_kernel` of the LM head's kind, one row, the tiles of its pass), in
+   the same order, and the first largest wins, as numpy's argmax picks.
 
 A row whose hidden state is not finite, or has more than CANDIDATES outputs to check,
 is not picked here (token -1): its logits must be computed in full.
@@ -53,15 +55,21 @@ from pagedinfer.kernels.cpu.numba_support import (
 
 LANES = grid_gemm.LANES
 BLOCK = grid_gemm.GRID_BLOCK
-# Whether this CPU multiplies bytes into 32-bit sums in one instruction (AVX-512 VNNI).
-# Without it the approximation runs on plain integer vector code: correct, but no faster
-# than the full LM head, so the CPU executor does not use it (`fast`).
-VNNI = bool(llvm.get_host_cpu_features().get("avx512vnni", False))
+# Whether this CPU multiplies bytes into 32-bit sums in one instruction (AVX-512 VNNI),
+# or in two (AVX2's vpmaddubsw and vpmaddwd). With neither the approximation runs on
+# plain integer vector code: correct, but no faster than the full LM head, so the CPU
+# executor does not use it (`fast`).
+_FEATURES = llvm.get_host_cpu_features()
+VNNI = bool(_FEATURES.get("avx512vnni", False))
+AVX2 = bool(_FEATURES.get("avx2", False))
+# The largest row code: vpmaddubsw adds two byte products in 16 bits, which products of
+# 8-bit codes (up to 255 * 127 each, offset) would overflow; 7-bit ones cannot.
+ROW_CODE_MAX = 127 if VNNI else 63
 # Rows per pass over a group of tiles, and tiles per group (the tiles left over past whole
 # groups go one at a time): the shape that ran fastest of those tried, each pass keeping
-# ROWS x TILES vectors of 32-bit sums.
+# ROWS x TILES vectors of 32-bit sums (AVX2's 16 registers hold 6 x 1 of them).
 ROWS = 6
-TILES = 3
+TILES = 3 if VNNI else 1
 # The most outputs a row may have to bound before its logits are computed in full: well
 # above what the first, loose test lets through for real rows.
 CANDIDATES = 16384
@@ -74,50 +82,100 @@ _UP = np.float32(1.0 + 2.0**-10)  # room for the fp32 rounding of the bounds the
 
 def fast() -> bool:
     """Whether picking the argmax here beats computing the logits on this CPU."""
-    return VNNI
+    return VNNI or AVX2
 
 
 @dataclass(frozen=True)
 class ArgmaxWeights:
-    """An 8-bit grid LM head as the three phases read it ([tiles, ...] as in the grid)."""
+    """An LM head's 8-bit codes as the three phases read them ([tiles, ...] as in the
+    grid), with the bounds of what they leave out."""
 
     codes: np.ndarray  # int32 [tiles, K / 4, 16]: the codes of inputs 4i .. 4i + 3 of a lane
-    offsets: np.ndarray  # int32 [tiles, blocks, 16]: -128 * the sum of a block's codes
+    offsets: np.ndarray  # int32 [tiles, blocks, 16]: -(ROW_CODE_MAX + 1) * a block's code sum
     scales: np.ndarray  # fp32 [tiles, blocks, 16]: d
-    bounds: np.ndarray  # fp32 [vocab, blocks]: |d| * ||q|| of each output's block, rounded up
-    bounds_max: np.ndarray  # fp32 [blocks]: the largest of each block's bounds
-    norm_max: np.float32  # the largest ||w|| of an output, rounded up
+    # fp32 [vocab, 2 * blocks]: each output block's |d| * ||q|| (times the row's ||e||),
+    # then its ||f|| (times the row's ||h||; all zero for an 8-bit grid), rounded up
+    bounds: np.ndarray
+    bounds_max: np.ndarray  # fp32 [2 * blocks]: the largest of each column of bounds
+    norm_max: np.float32  # the largest ||w|| of an output (or of its d * q), rounded up
     grid: grid_gemm.GridWeight  # the exact logits' weight
     order: grid_gemm.SumOrder  # ... and order
     pool: ScratchPool = field(compare=False, repr=False)
 
     @classmethod
-    def of(cls, grid: grid_gemm.GridWeight, order: grid_gemm.SumOrder) -> ArgmaxWeights | None:
-        """From the LM head's grid and the order its logits are summed in; None for a grid
-        that is not 8-bit with fp16 scales."""
-        if grid.kind != grid_gemm.SCALED8 or grid.scales.dtype != np.uint16:
-            return None
+    def of(cls, grid: grid_gemm.GridWeight, order: grid_gemm.SumOrder) -> ArgmaxWeights:
+        """From the LM head's weight (any kind) and the order its logits are summed in: an
+        8-bit grid with fp16 scales and no offsets gives its own codes; any other weight
+        is rounded to 8-bit codes per block of 32 inputs."""
         tiles, k = grid.out_features // LANES, grid.in_features
-        q = grid.codes  # int8 [tiles, K, 16]
+        blocks = k // BLOCK
+        exact = (
+            grid.kind == grid_gemm.SCALED8
+            and grid.scales.dtype == np.uint16
+            and not grid.scales[:, :, 1].view(np.float16).any()
+        )
+        if exact:
+            q = grid.codes  # int8 [tiles, K, 16]
+            d = grid.scales[:, :, 0, :].view(np.float16).astype(np.float32)  # [tiles, blocks, 16]
+            left = np.zeros((grid.out_features, blocks), np.float32)
+            norm_max = np.float64(0.0)
+        else:
+            q, d, left, norm_max = _rounded_to_codes(grid)
         codes = q.reshape(tiles, k // 4, 4, LANES).transpose(0, 1, 3, 2)
-        by_block = (tiles, k // BLOCK, BLOCK, LANES)
+        by_block = (tiles, blocks, BLOCK, LANES)
         sums = q.reshape(by_block).sum(axis=2, dtype=np.int32)
         squares = np.square(q, dtype=np.int16).reshape(by_block).sum(axis=2, dtype=np.int32)
-        d = grid.scales[:, :, 0, :].view(np.float16).astype(np.float64)  # [tiles, blocks, 16]
-        norms = np.abs(d) * np.sqrt(squares)
-        bounds = _rounded_up(norms.transpose(0, 2, 1).reshape(grid.out_features, k // BLOCK))
-        row_norms = np.sqrt((norms**2).sum(axis=1)).max()  # ||w_j||^2 = sum_b d^2 ||q_b||^2
+        norms = np.abs(d.astype(np.float64)) * np.sqrt(squares)
+        coded = norms.transpose(0, 2, 1).reshape(grid.out_features, blocks)
+        bounds = np.concatenate((_rounded_up(coded), left), axis=1)
+        # ||d q_j||^2 = sum_b d^2 ||q_b||^2
+        norm_max = max(norm_max, np.sqrt((norms**2).sum(axis=1)).max())
         return cls(
             codes=np.ascontiguousarray(codes).view(np.int32)[..., 0],
-            offsets=-128 * sums,
+            offsets=-(ROW_CODE_MAX + 1) * sums,
             scales=np.ascontiguousarray(d, dtype=np.float32),
             bounds=bounds,
             bounds_max=np.ascontiguousarray(bounds.max(axis=0)),
-            norm_max=_rounded_up(np.array([row_norms]))[0],
+            norm_max=_rounded_up(np.array([norm_max]))[0],
             grid=grid,
             order=order,
             pool=ScratchPool(k, grid.out_features),
         )
+
+
+def _rounded_to_codes(
+    grid: grid_gemm.GridWeight, chunk: int = 4096
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.float64]:
+    """Any weight as 8-bit codes q (int8 [tiles, K, 16]) and fp32 scales d = max |w| / 127
+    per block of 32 inputs ([tiles, blocks, 16]); the norm of each output block's w - d * q
+    (fp32 [vocab, blocks], rounded up); and the largest ||w|| of an output. A chunk of
+    outputs at a time, so that the fp64 copies stay small."""
+    tiles, k = grid.out_features // LANES, grid.in_features
+    blocks = k // BLOCK
+    q = np.empty((tiles, k, LANES), np.int8)
+    d = np.empty((tiles, blocks, LANES), np.float32)
+    left = np.empty((grid.out_features, blocks), np.float32)
+    norm_max = np.float64(0.0)
+    step = chunk // LANES
+    for t0 in range(0, tiles, step):
+        t1 = min(t0 + step, tiles)
+        part = grid_gemm.GridWeight(
+            grid.kind, (t1 - t0) * LANES, k, grid.codes[t0:t1], grid.scales[t0:t1]
+        )
+        w = part.dense().numpy().astype(np.float64)  # [outputs, K]
+        w = w.reshape(-1, blocks, BLOCK)
+        scale = (np.abs(w).max(axis=2) / 127).astype(np.float32)  # [outputs, blocks]
+        wide = scale.astype(np.float64)[:, :, None]
+        codes = np.clip(
+            np.rint(np.divide(w, wide, out=np.zeros_like(w), where=wide > 0)), -127, 127
+        )
+        rest = np.sqrt(np.square(w - wide * codes).sum(axis=2))
+        left[t0 * LANES : t1 * LANES] = _rounded_up(rest * (1.0 + 2.0**-20))
+        norm_max = max(norm_max, np.sqrt(np.square(w).sum(axis=(1, 2))).max())
+        n = t1 - t0
+        q[t0:t1] = codes.reshape(n, LANES, k).transpose(0, 2, 1)
+        d[t0:t1] = scale.reshape(n, LANES, blocks).transpose(0, 2, 1)
+    return q, d, left, norm_max
 
 
 def _rounded_up(x: np.ndarray) -> np.ndarray:
@@ -130,10 +188,10 @@ def _rounded_up(x: np.ndarray) -> np.ndarray:
 class Scratch:
     """What the phases pass on, for `rows` rows and `workers` workers."""
 
-    codes: np.ndarray  # uint8 [rows, K]: the rows' 8-bit codes, offset by 128
+    codes: np.ndarray  # uint8 [rows, K]: the rows' codes, offset by ROW_CODE_MAX + 1
     words: np.ndarray  # int32 [rows, K / 4]: the same bytes, 4 to a word
     scales: np.ndarray  # fp32 [rows, blocks]: s
-    errors: np.ndarray  # fp32 [rows, blocks]: ||e|| of each block, rounded up
+    errors: np.ndarray  # fp32 [rows, 2 * blocks]: ||e|| of each block, then ||h||, rounded up
     margins: np.ndarray  # fp32 [rows]: the fp32 rounding's share; < 0: the row is not picked
     approx: np.ndarray  # fp32 [rows, tiles, 16]
     maxima: np.ndarray  # fp32 [workers, rows, 16]: each worker's largest approximations
@@ -150,7 +208,7 @@ class Scratch:
             codes=codes,
             words=codes.view(np.int32),
             scales=np.empty((rows, hidden // BLOCK), np.float32),
-            errors=np.empty((rows, hidden // BLOCK), np.float32),
+            errors=np.empty((rows, 2 * (hidden // BLOCK)), np.float32),
             margins=np.empty(rows, np.float32),
             approx=np.empty((rows, vocab // LANES, LANES), np.float32),
             maxima=np.empty((workers, rows, LANES), np.float32),
@@ -223,7 +281,7 @@ def lm_head_argmax(
         workers = torch.get_num_threads()
         if scratch is None:
             scratch = weights.pool.get(rows, workers)
-        kernel = argmax_kernel(weights.grid.in_features, weights.order)
+        kernel = argmax_kernel(weights.grid.in_features, weights.order, weights.grid.kind)
         sync = np.zeros(2, np.int64)
         x = np.ascontiguousarray(hidden.detach().numpy(), dtype=np.float32)
         args = (x, *weights_args(weights), *scratch.args(), tokens, sync)
@@ -244,8 +302,9 @@ def weights_args(weights: ArgmaxWeights) -> tuple[Any, ...]:
     )
 
 
-def no_args() -> tuple[Any, ...]:
-    """`weights_args` and `Scratch.args` of no LM head, for a step with no greedy rows."""
+def no_args(codes: np.ndarray, scales: np.ndarray) -> tuple[Any, ...]:
+    """`weights_args` and `Scratch.args` of no argmax weights, for a step with no greedy
+    rows over an LM head of these codes and scales (`grid_gemm.GridWeight`)."""
     f32, i32 = np.float32, np.int32
     return (
         np.zeros((0, 0, LANES), i32),
@@ -254,17 +313,17 @@ def no_args() -> tuple[Any, ...]:
         np.zeros((0, 0), f32),
         np.zeros(0, f32),
         f32(0),
-        np.zeros((0, 0, LANES), np.int8),
-        np.zeros((0, 0, 2, LANES), np.uint16),
+        np.zeros((0,) * codes.ndim, codes.dtype),
+        np.zeros((0,) * scales.ndim, scales.dtype),
         *Scratch.of(0, 0, 0, 0).args(),
     )
 
 
 @functools.cache
-def argmax_kernel(in_features: int, order: grid_gemm.SumOrder) -> Callable[..., None]:
+def argmax_kernel(in_features: int, order: grid_gemm.SumOrder, kind: str) -> Callable[..., None]:
     """argmax(x, *weights_args, *Scratch.args, tokens, sync, worker, workers): the three
     phases over every row of x, the workers meeting at a barrier between them."""
-    quantize, approximate, pick = phase_kernels(in_features, order)
+    quantize, approximate, pick = phase_kernels(in_features, order, kind)
 
     @jit(nogil=True, error_model="numpy")
     def argmax(
@@ -321,14 +380,19 @@ def argmax_kernel(in_features: int, order: grid_gemm.SumOrder) -> Callable[..., 
 
 @functools.cache
 def phase_kernels(
-    in_features: int, order: grid_gemm.SumOrder
+    in_features: int, order: grid_gemm.SumOrder, kind: str
 ) -> tuple[Callable[..., Any], Callable[..., None], Callable[..., None]]:
     """The three phases for rows of in_features inputs whose exact logits are summed in
-    `order`, each taking (..., worker, workers) and doing its worker's share: quantize
-    and pick a share of the rows, approximate a share of the tile groups."""
+    `order` over an LM head of `kind`, each taking (..., worker, workers) and doing its
+    worker's share: quantize and pick a share of the rows, approximate a share of the
+    tile groups."""
     k, blocks = in_features, in_features // BLOCK
-    exact_group = grid_gemm.gemm_kernel(grid_gemm.SCALED8, 1, k, order.ends, order.fused)
-    group_outputs = grid_gemm.TILE_GROUP * LANES
+    exact_group = grid_gemm.gemm_kernel(kind, 1, k, order.ends, order.fused)
+    code_max, offset = np.float32(ROW_CODE_MAX), ROW_CODE_MAX + 1
+    # A candidate's exact logit comes with those of the tiles one pass takes: one tile
+    # where a pass takes one (AVX2), else a group of TILE_GROUP.
+    exact_tiles = grid_gemm.tiles_per_group(1)
+    group_outputs = exact_tiles * LANES
     by_rows = [_approx_rows(rows, k) for rows in range(1, ROWS + 1)]
     a1, a2, a3, a4, a5, a6 = by_rows
     single = _approx_rows(1, k, tiles=1)  # a tile left over, a row at a time
@@ -357,20 +421,23 @@ def phase_kernels(
                 margins[r] = -1.0
                 continue
             for b in range(blocks):
-                top = np.float32(0.0)
+                largest = np.float32(0.0)
                 for i in range(b * BLOCK, (b + 1) * BLOCK):
-                    top = max(top, abs(x[r, i]))
-                s = top / np.float32(127.0)
+                    largest = max(largest, abs(x[r, i]))
+                s = largest / code_max
                 left = 0.0  # float64: ||e||^2 of the block
+                whole = 0.0  # float64: ||h||^2 of the block
                 for i in range(b * BLOCK, (b + 1) * BLOCK):
                     q = 0.0
                     if s > 0:
-                        q = min(max(np.rint(x[r, i] / s), -127.0), 127.0)
+                        q = min(max(np.rint(x[r, i] / s), -code_max), code_max)
                     e = np.float64(x[r, i]) - np.float64(s) * q
                     left += e * e
-                    row_codes[r, i] = np.uint8(np.int64(q) + 128)
+                    whole += np.float64(x[r, i]) * np.float64(x[r, i])
+                    row_codes[r, i] = np.uint8(np.int64(q) + offset)
                 row_scales[r, b] = s
                 errors[r, b] = np.float32(np.sqrt(left) * (1.0 + 2.0**-20))
+                errors[r, blocks + b] = np.float32(np.sqrt(whole) * (1.0 + 2.0**-20))
             margins[r] = np.float32(np.sqrt(square) * np.float64(norm_max) * _ROUNDING * _UP)
 
     @jit(nogil=True, error_model="numpy")
@@ -442,7 +509,7 @@ def phase_kernels(
             # Every output's bound is at most `widest`: an output more than twice that
             # below the best approximation is below the best one's logit.
             widest = np.float32(0.0)
-            for b in range(blocks):
+            for b in range(2 * blocks):
                 widest += bounds_max[b] * errors[r, b]
             widest = widest * _UP + margins[r]
             floor = best - 2 * widest
@@ -467,7 +534,7 @@ def phase_kernels(
             for c in range(count):
                 j = found[c]
                 bound = np.float32(0.0)
-                for b in range(blocks):
+                for b in range(2 * blocks):
                     bound += bounds[j, b] * errors[r, b]
                 bound = bound * _UP + margins[r]
                 found_bounds[c] = bound
@@ -479,15 +546,15 @@ def phase_kernels(
                     continue
                 if j // group_outputs != group:
                     group = j // group_outputs
-                    t0 = group * grid_gemm.TILE_GROUP
+                    t0 = group * exact_tiles
                     exact_group(
                         x[r : r + 1],
                         0,
-                        grid_codes[t0 : t0 + grid_gemm.TILE_GROUP],
-                        grid_scales[t0 : t0 + grid_gemm.TILE_GROUP],
+                        grid_codes[t0 : t0 + exact_tiles],
+                        grid_scales[t0 : t0 + exact_tiles],
                         exact,
                         0,
-                        grid_gemm.TILE_GROUP,
+                        exact_tiles,
                         False,
                         0,
                         1,
@@ -580,7 +647,9 @@ def int_lanes_copy(typingctx: Any, y: Any, x: Any) -> Any:
 @intrinsic
 def dot_bytes(typingctx: Any, sums: Any, word: Any, codes: Any) -> Any:
     """sums[l] += sum over i < 4 of byte i of `word` (unsigned) times byte i of codes[l]
-    (signed), for the 16 int32 lanes l: AVX-512 VNNI's vpdpbusd where the CPU has it."""
+    (signed), for the 16 int32 lanes l: AVX-512 VNNI's vpdpbusd where the CPU has it; on
+    AVX2, vpmaddubsw (byte pairs into 16 bits: exact for the words' bytes of at most
+    127, `ROW_CODE_MAX`) then vpmaddwd by ones."""
     if not (_int_lanes(sums) and isinstance(word, types.Integer) and _int_lanes(codes)):
         return None
 
@@ -604,6 +673,8 @@ def dot_bytes(typingctx: Any, sums: Any, word: Any, codes: Any) -> Any:
                 "llvm.x86.avx512.vpdpbusd.512",
             )
             result = builder.call(function, [acc, spread, weights])
+        elif AVX2:
+            result = _madd_bytes_avx2(builder, acc, spread, weights)
         else:
             bytes_type = ir.VectorType(ir.IntType(8), 4 * LANES)
             wide = ir.VectorType(i32, 4 * LANES)
@@ -619,6 +690,40 @@ def dot_bytes(typingctx: Any, sums: Any, word: Any, codes: Any) -> Any:
         return context.get_dummy_value()
 
     return types.void(sums, word, codes), codegen
+
+
+def _madd_bytes_avx2(builder: Any, acc: Any, spread: Any, weights: Any) -> Any:
+    """`dot_bytes` on 16 int32 lanes as two 256-bit halves of AVX2 code."""
+    i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+    half_bytes, half_words = ir.VectorType(i8, 2 * LANES), ir.VectorType(i16, LANES)
+    half_ints = ir.VectorType(i32, LANES // 2)
+    pairs = cgutils.get_or_insert_function(
+        builder.module,
+        ir.FunctionType(half_words, [half_bytes, half_bytes]),
+        "llvm.x86.avx2.pmadd.ub.sw",
+    )
+    quads = cgutils.get_or_insert_function(
+        builder.module,
+        ir.FunctionType(half_ints, [half_words, half_words]),
+        "llvm.x86.avx2.pmadd.wd",
+    )
+    ones = ir.Constant(half_words, [1] * LANES)
+    row = builder.bitcast(spread, ir.VectorType(i8, 4 * LANES))
+    codes = builder.bitcast(weights, ir.VectorType(i8, 4 * LANES))
+    halves = []
+    for h in range(2):
+        part = ir.Constant(
+            ir.VectorType(i32, 2 * LANES), list(range(h * 2 * LANES, (h + 1) * 2 * LANES))
+        )
+        products = builder.call(
+            pairs,
+            [builder.shuffle_vector(row, row, part), builder.shuffle_vector(codes, codes, part)],
+        )
+        halves.append(builder.call(quads, [products, ones]))
+    whole = builder.shuffle_vector(
+        halves[0], halves[1], ir.Constant(ir.VectorType(i32, LANES), list(range(LANES)))
+    )
+    return builder.add(acc, whole)
 
 
 @intrinsic

@@ -1,6 +1,7 @@
 """The LM head's argmax without its logits: the token is the one the full logits give
-(numpy's argmax of the grid GEMM's fp32 logits, the first on ties), and a row it cannot
-pick is marked for its logits."""
+(numpy's argmax of the grid GEMM's fp32 logits, the first on ties), for an LM head on an
+8-bit grid, on another grid and on none, and a row it cannot pick is marked for its
+logits."""
 
 from __future__ import annotations
 
@@ -22,12 +23,24 @@ ORDERS = [
 ]
 
 
+# LM heads whose 8-bit codes are their own (a GGUF Q8_0), are rounded from another grid
+# (Q4_1), and from an fp32 weight on no grid.
+KINDS = [grid_gemm.SCALED8, grid_gemm.AFFINE4, grid_gemm.REBUILT]
+
+
+def lm_weight(kind: str, seed: int) -> torch.Tensor:
+    if kind == grid_gemm.SCALED8:
+        return scaled8_weight(VOCAB, HIDDEN, seed=seed)
+    if kind == grid_gemm.AFFINE4:
+        return affine4_weight(VOCAB, HIDDEN, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(VOCAB, HIDDEN, generator=gen) * 0.05
+
+
 def lm_head(weight: torch.Tensor, order: grid_gemm.SumOrder) -> greedy_argmax.ArgmaxWeights:
-    grid = grid_gemm.to_grid(weight)
-    assert grid is not None and grid.kind == grid_gemm.SCALED8
-    weights = greedy_argmax.ArgmaxWeights.of(grid, order)
-    assert weights is not None
-    return weights
+    grid = grid_gemm.to_grid(weight) or grid_gemm.rebuilt(weight)
+    assert grid is not None
+    return greedy_argmax.ArgmaxWeights.of(grid, order)
 
 
 def full_argmax(hidden: torch.Tensor, weights: greedy_argmax.ArgmaxWeights) -> np.ndarray:
@@ -44,9 +57,14 @@ def hidden_states(rows: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("order", ORDERS, ids=["one-fused-chain", "three-unfused-parts"])
-def test_the_token_is_the_argmax_of_the_full_logits(order, threads) -> None:
-    weights = lm_head(scaled8_weight(VOCAB, HIDDEN, seed=1), order)
+@pytest.mark.parametrize(
+    ("kind", "order"),
+    [(kind, ORDERS[0]) for kind in KINDS] + [(grid_gemm.SCALED8, ORDERS[1])],
+    ids=[f"{kind}-one-fused-chain" for kind in KINDS] + ["scaled8-three-unfused-parts"],
+)
+def test_the_token_is_the_argmax_of_the_full_logits(kind, order, threads) -> None:
+    weights = lm_head(lm_weight(kind, seed=1), order)
+    assert weights.grid.kind == kind
     hidden = hidden_states(70, seed=2)  # 11 passes of 6 rows and 4 rows left
     with torch_threads(threads):
         tokens = greedy_argmax.lm_head_argmax(hidden, weights)
@@ -65,10 +83,11 @@ def test_a_scratch_kept_from_more_threads_gives_the_same_tokens() -> None:
     np.testing.assert_array_equal(tokens.numpy(), full_argmax(hidden, weights))
 
 
-def test_rows_close_to_an_output_pick_it_over_its_near_neighbours() -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_close_to_an_output_pick_it_over_its_near_neighbours(kind) -> None:
     """Rows along an output's own weight (its logit far ahead) and rows halfway between
     two outputs' weights (their logits within rounding of each other)."""
-    weight = scaled8_weight(VOCAB, HIDDEN, seed=3)
+    weight = lm_weight(kind, seed=3)
     weights = lm_head(weight, ORDERS[0])
     gen = torch.Generator().manual_seed(4)
     near = weight[torch.randint(0, VOCAB, (8,), generator=gen)] * 30
@@ -122,10 +141,14 @@ def test_no_rows_give_no_tokens() -> None:
     assert greedy_argmax.lm_head_argmax(torch.empty(0, HIDDEN), weights).shape == (0,)
 
 
-def test_only_an_8_bit_grid_is_taken() -> None:
-    grid = grid_gemm.to_grid(affine4_weight(VOCAB, HIDDEN))
-    assert grid is not None
-    assert greedy_argmax.ArgmaxWeights.of(grid, ORDERS[0]) is None
+def test_an_8_bit_grid_keeps_its_codes_and_other_weights_are_rounded_to_them() -> None:
+    """A Q8_0 LM head's codes are its own, with nothing left out; another one's are
+    rounded, and what they leave out is bounded per block."""
+    exact = lm_head(lm_weight(grid_gemm.SCALED8, seed=17), ORDERS[0])
+    blocks = HIDDEN // grid_gemm.GRID_BLOCK
+    assert not exact.bounds[:, blocks:].any()
+    rounded = lm_head(lm_weight(grid_gemm.REBUILT, seed=17), ORDERS[0])
+    assert (rounded.bounds[:, blocks:] > 0).all()
 
 
 def test_hidden_states_of_the_wrong_width_are_refused() -> None:
@@ -134,10 +157,11 @@ def test_hidden_states_of_the_wrong_width_are_refused() -> None:
         greedy_argmax.lm_head_argmax(torch.zeros(2, HIDDEN + 32), weights)
 
 
-def test_the_approximation_is_within_its_bound_of_every_logit() -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_approximation_is_within_its_bound_of_every_logit(kind) -> None:
     """The premise of the pick: each approximate logit lies within the bound of the
     exact one (checked on every output of rows with large and small dimensions)."""
-    weights = lm_head(scaled8_weight(VOCAB, HIDDEN, seed=12), ORDERS[0])
+    weights = lm_head(lm_weight(kind, seed=12), ORDERS[0])
     hidden = hidden_states(9, seed=13)
     rows = hidden.shape[0]
     workers = torch.get_num_threads()
@@ -148,6 +172,6 @@ def test_the_approximation_is_within_its_bound_of_every_logit() -> None:
     bound = scratch.errors.astype(np.float64) @ weights.bounds.astype(np.float64).T
     bound += scratch.margins.astype(np.float64)[:, None]
     assert (np.abs(approx - exact) <= bound).all()
-    # ... and close enough to leave few outputs to check: on average within 5% of the
-    # row's largest logit
-    assert (bound.mean(axis=1) < 0.05 * np.abs(exact).max(axis=1)).all()
+    # ... and close enough to leave few outputs to check: on average within 10% of the
+    # row's largest logit (7-bit row codes on AVX2 leave twice what 8-bit ones do)
+    assert (bound.mean(axis=1) < 0.1 * np.abs(exact).max(axis=1)).all()

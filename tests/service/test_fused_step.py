@@ -134,7 +134,7 @@ def assert_fused_matches_layered(
 def test_a_model_on_grids_gets_the_fused_step(executor: CpuExecutor) -> None:
     assert executor.fused.kinds == ("affine4",) * 4 + ("scaled8",)
     assert executor.compiled
-    # Its 8-bit LM head picks greedy rows' tokens where that is faster than the logits.
+    # Its LM head picks greedy rows' tokens where that is faster than the logits.
     assert (executor.fused.argmax is not None) == greedy_argmax.fast()
     assert executor.argmax is executor.fused.argmax
     # Every GEMM, the fused step's and layer by layer, sums in the one fixed order.
@@ -147,7 +147,7 @@ def test_a_model_on_grids_gets_the_fused_step(executor: CpuExecutor) -> None:
     assert all(linear.weight.is_meta for layer in model.layers for linear in layer.linears())
 
 
-@pytest.mark.skipif(not greedy_argmax.fast(), reason="greedy rows are picked with AVX-512 VNNI")
+@pytest.mark.skipif(not greedy_argmax.fast(), reason="greedy rows are picked with AVX2 or VNNI")
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "layer-by-layer"])
 def test_greedy_rows_get_the_argmax_of_their_logits_without_them(
     executor: CpuExecutor, fused: bool
@@ -360,7 +360,8 @@ def test_a_slot_outside_the_cache_is_refused_by_name(executor: CpuExecutor) -> N
 def test_weights_off_every_grid_get_the_fused_step_from_their_fp32_tiles() -> None:
     """A checkpoint whose weights lie on no grid runs the same compiled GEMMs from its fp32
     weights in tile layout ("rebuilt"): the fused step gives the layered logits and K/V
-    bit for bit, and its LM head, on no 8-bit grid, gives every row its logits."""
+    bit for bit, and its LM head, rounded to 8-bit codes for the argmax, gives greedy rows
+    the argmax of the logits."""
     on_grids = grid_model(seed=1)
     assert find_grids(on_grids) is not None
     assert choose_mode(on_grids) == ("grid", True)
@@ -373,10 +374,16 @@ def test_weights_off_every_grid_get_the_fused_step_from_their_fp32_tiles() -> No
     assert executor is not None and executor.active
     assert executor.mode == "rebuilt"
     assert executor.fused.kinds == (grid_gemm.REBUILT,) * 5
-    assert executor.argmax is None
+    assert (executor.argmax is not None) == greedy_argmax.fast()
     base = prefilled(executor, [20, 33])
     chunks = [(0, [5], 20), (1, [1, 2, 3, 4, 5], 33)]
     assert_fused_matches_layered(executor, base, chunks)
+    greedy = torch.tensor([True, True, False, True, True, True])
+    expected, _ = base.copy().forward(executor, chunks)
+    _, tokens = base.copy().forward(executor, chunks, greedy)
+    if greedy_argmax.fast():
+        assert tokens is not None
+        assert tokens[greedy].tolist() == expected[greedy].argmax(dim=1).tolist()
 
 
 def test_weights_with_biases_get_no_fused_step() -> None:
