@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 
 WARM_UP_THREAD = "cpu-executor-warm-up"
 # How long a child process may take to compile the kernels before the server gives up
-# on it and compiles them itself.
+# on it (the model's torch forward then keeps serving).
 CHILD_COMPILE_TIMEOUT_S = 1800.0
 
 # The architecture features (a model config's `features()`) this executor implements.
@@ -254,8 +254,11 @@ class CpuExecutor:
         them, runs the warm-up and exits. A process that compiles keeps about 0.5 GiB of
         LLVM's memory for life; the child's is returned when it exits (and this process
         builds its own form only then, so the two never coexist). Returns whether the
-        kernels are cached now; False where there is no fork or no writable cache, or
-        the child failed (the caller then compiles them itself)."""
+        kernels are cached now; False where there is no fork or no writable cache (the
+        caller then compiles them itself). Raises RuntimeError where the child failed or
+        timed out: compiling here would hold the child's memory for the server's life
+        (and a child killed for memory would take the server with it), so the model's
+        torch forward keeps serving instead."""
         from pagedinfer.kernels.cpu.compile_record import record_directory
 
         directory = record_directory()
@@ -283,13 +286,15 @@ class CpuExecutor:
             if time.monotonic() > deadline:
                 os.kill(pid, signal.SIGKILL)
                 done, status = os.waitpid(pid, 0)
-                log.warning("CPU executor: the compiling child timed out; compiling here")
-                return False
+                raise RuntimeError(
+                    f"the compiling child took over {CHILD_COMPILE_TIMEOUT_S:.0f} s and was stopped"
+                )
             time.sleep(0.5)
         code = os.waitstatus_to_exitcode(status)
         if code != 0:
-            log.warning("CPU executor: the compiling child failed (exit %d); compiling here", code)
-            return False
+            cause = f"killed by signal {-code}" if code < 0 else f"exit {code}"
+            hint = " (SIGKILL: often the memory limit)" if code == -signal.SIGKILL else ""
+            raise RuntimeError(f"the compiling child failed: {cause}{hint}")
         log.info("CPU executor: kernels compiled in %.0f s", time.monotonic() - started)
         return True
 

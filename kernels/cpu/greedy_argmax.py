@@ -16,8 +16,8 @@ in three phases over rows of final-normed hidden states:
 3. `pick`: a logit differs from its approximation by at most the bound
    sum_b |d_b| ||q_b|| ||e_b|| + ||f_b|| ||h_b|| (Cauchy-Schwarz per block, e the row's
    rounding left out) plus a margin for fp32 rounding. Only outputs whose approximation
-   lies within the bounds of the best one can be the argmax (typically a handful). Those
-   are computed exactly, with the GEMM that computes the full logits
+   lies within the bounds of the best one can be the argmax (a small share of the
+   vocabulary). Those are computed exactly, with the GEMM that computes the full logits
    (`grid_gemm.gemm_kernel` of the LM head's kind, one row, the tiles of its pass), in
    the same order, and the first largest wins, as numpy's argmax picks.
 

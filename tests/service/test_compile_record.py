@@ -106,3 +106,46 @@ def test_the_kernel_set_follows_the_weights_not_where_the_cache_lies(
     weights = next(moved.glob("*.safetensors"))
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
     assert identity(moved) != identity(source)
+
+
+def test_a_failed_compiling_child_leaves_the_torch_forward_serving(
+    records: Path, make_tiny_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child that dies (here: exit 3; under a pod's memory limit, SIGKILL) is not
+    followed by compiling in the server, which would hold that memory for good: the
+    executor keeps the error, and the model's torch forward serves every request."""
+    from pagedinfer.kernels.cpu.executor import CpuExecutor
+    from pagedinfer.service.sampling_params import SamplingParams
+
+    def child(self: CpuExecutor, block_size: int) -> None:
+        os._exit(3)
+
+    def compile_here(self: CpuExecutor, block_size: int, cached: bool) -> None:
+        raise AssertionError("the server compiled the kernels itself")
+
+    monkeypatch.setattr(CpuExecutor, "_warm_up_and_exit", child)
+    monkeypatch.setattr(CpuExecutor, "_build_and_load", compile_here)
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(make_tiny_model("llama")),
+            num_gpu_blocks=32,
+            max_model_len=128,
+            compile_in_background=True,
+        )
+    )
+    executor = engine.runner.executor
+    if executor is None:
+        pytest.skip("no CPU executor on this machine")
+    deadline = time.monotonic() + 120
+    while executor.error is None:
+        assert time.monotonic() < deadline, "the failed child was not reported"
+        time.sleep(0.05)
+    assert isinstance(executor.error, RuntimeError)
+    assert str(executor.error) == "the compiling child failed: exit 3"
+    assert not executor.ready and not executor.active
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+    tokens = []
+    while engine.has_unfinished():
+        tokens += [t for delta in engine.step() for t in delta.token_ids]
+    assert len(tokens) == 4
+    assert not executor.active
