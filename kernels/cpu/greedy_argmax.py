@@ -388,7 +388,8 @@ def phase_kernels(
     tile groups."""
     k, blocks = in_features, in_features // BLOCK
     exact_group = grid_gemm.gemm_kernel(kind, 1, k, order.ends, order.fused)
-    code_max, offset = np.float32(ROW_CODE_MAX), ROW_CODE_MAX + 1
+    # Plain Python numbers: the kernels' disk-cache keys pickle their closures.
+    code_max, offset = float(ROW_CODE_MAX), ROW_CODE_MAX + 1
     # A candidate's exact logit comes with those of the tiles one pass takes: one tile
     # where a pass takes one (AVX2), else a group of TILE_GROUP.
     exact_tiles = grid_gemm.tiles_per_group(1)
@@ -424,7 +425,7 @@ def phase_kernels(
                 largest = np.float32(0.0)
                 for i in range(b * BLOCK, (b + 1) * BLOCK):
                     largest = max(largest, abs(x[r, i]))
-                s = largest / code_max
+                s = largest / np.float32(code_max)
                 left = 0.0  # float64: ||e||^2 of the block
                 whole = 0.0  # float64: ||h||^2 of the block
                 for i in range(b * BLOCK, (b + 1) * BLOCK):
