@@ -81,6 +81,24 @@ SUPPORTED_FEATURES = frozenset(
 )
 
 
+def zero_pages(array: np.ndarray, smallest: int = 2**20) -> None:
+    """Return the memory pages that lie wholly inside a C-contiguous array of at least
+    `smallest` bytes to the kernel (madvise MADV_DONTNEED): in a private mapping they then
+    read as zeros and hold no memory, and a page shared copy-on-write with another process
+    stays as it is there. Only for arrays whose contents are no longer needed."""
+    if array.nbytes < smallest or not array.flags.c_contiguous:
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = -(-array.ctypes.data // page) * page
+    end = (array.ctypes.data + array.nbytes) // page * page
+    if end <= start:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    if libc.madvise(start, end - start, 4) != 0:  # MADV_DONTNEED
+        log.debug("madvise: %s", os.strerror(ctypes.get_errno()))
+
+
 def unsupported_features(config: Any) -> list[str]:
     """The features of `config` (a model config with `features()`) this executor lacks."""
     return sorted(set(config.features()) - SUPPORTED_FEATURES)
@@ -309,6 +327,7 @@ class CpuExecutor:
                 ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
             torch.set_num_threads(1)
             self._build()
+            self._release_built_weights()
             with torch.inference_mode():
                 self._run_warm_up_batches(block_size)
             code = 0
@@ -317,6 +336,21 @@ class CpuExecutor:
         finally:
             logging.shutdown()
             os._exit(code)
+
+    def _release_built_weights(self) -> None:
+        """In the compiling child, after the build (which stored what it built): hand the
+        built weights' pages back to the kernel, so that they read as zeros. Compiling
+        depends only on the arrays' types and shapes, and the child's results are thrown
+        away, so its warm-up compiles the same kernels without holding a second copy of
+        the weights beside the server's."""
+        arrays: list[np.ndarray] = []
+        if self.fused is not None:
+            arrays += [*self.fused.codes, *self.fused.scales]
+        if self.argmax is not None:
+            argmax = self.argmax
+            arrays += [argmax.codes, argmax.offsets, argmax.scales, argmax.bounds]
+        for array in arrays:
+            zero_pages(array)
 
     def _run_warm_up_batches(self, block_size: int, cached: bool = False) -> None:
         config = self.config

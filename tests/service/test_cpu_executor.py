@@ -293,3 +293,23 @@ def test_after_a_child_compile_the_stored_weights_are_read_once_the_dense_ones_a
     assert found["misses"] == 0, done.stderr[-3000:]
     assert found["hits"] > 0
     assert found["max_diff"] < 1e-3
+
+
+def test_zero_pages_gives_back_the_whole_pages_of_a_large_array_only() -> None:
+    """The compiling child's built weights read as zeros afterwards, page by page: the
+    pages wholly inside the array, none of its neighbours' bytes; small arrays stay."""
+    import numpy as np
+
+    from pagedinfer.kernels.cpu.executor import zero_pages
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    buffer = np.ones(4 * 2**20 + 3, np.uint8)
+    array = buffer[5 : buffer.size - 7]  # C-contiguous, its ends inside pages
+    zero_pages(array)
+    start = -(-array.ctypes.data // page) * page - buffer.ctypes.data
+    end = (array.ctypes.data + array.nbytes) // page * page - buffer.ctypes.data
+    assert not buffer[start:end].any()
+    assert buffer[:start].all() and buffer[end:].all()
+    small = np.ones(2**19, np.uint8)
+    zero_pages(small)
+    assert small.all()
