@@ -14,7 +14,7 @@ import torch
 from paged_cache import BLOCK_SIZE, PagedCache
 
 from pagedinfer.kernels import AttentionMetadata, cpu, torch_ops
-from pagedinfer.kernels.cpu import gemms
+from pagedinfer.kernels.cpu import gemms, greedy_argmax
 from pagedinfer.kernels.cpu.executor import CpuExecutor
 from pagedinfer.service.loader import LoadedModel, load_model
 from pagedinfer.service.models.llama import LlamaModel
@@ -203,12 +203,14 @@ def test_the_fp32_executor_computes_what_the_torch_forward_does(
     executor = cpu.prepare(copy.deepcopy(model), BLOCK_SIZE)
     assert executor is not None and executor.active
     assert executor.compiled == (cpu_kernels == "compiled")
-    assert executor.argmax is None  # the LM head is on no 8-bit grid
     if executor.compiled and not overrides:
+        # The greedy argmax rounds the LM head, on no grid, to 8-bit codes.
+        assert (executor.argmax is not None) == greedy_argmax.fast()
         assert executor.mode == "rebuilt" and executor.fused is not None
         kind = gemms.GridGemm
     else:
         assert executor.mode == "mkl" and executor.fused is None
+        assert executor.argmax is None
         kind = gemms.MklGemm
     assert isinstance(executor.layers[0].qkv, kind)
     assert isinstance(executor.lm_head, kind)
