@@ -17,6 +17,7 @@ The decisions are pure functions of the numbers (`plan_kv_cache`, `activation_by
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import math
 import os
 import threading
@@ -50,6 +51,10 @@ SERVING_ALLOWANCE = 128 * MiB
 # dense weights: the grids, their stacked copy for the fused step, the LM head's 8-bit
 # approximations and loading the compiled kernels (the embedded model, warm kernel cache).
 GRID_BYTES_PER_WEIGHT = 3.0
+# What a child compiling the CPU kernels holds beside the pages it shares with the server:
+# LLVM's memory while it compiles the fused step (about 450 MiB for a 30-layer model),
+# after the weights it built are handed back.
+COMPILE_CHILD_BYTES = 512 * MiB
 # Logits-sized tensors sampling holds at once per row of a chunk: their penalised copy,
 # the scaled and masked rows, probabilities, and top-p's sort (values and int64 indices,
 # three logits' worth). Rows sampled with penalties and top-p peak at ten.
@@ -122,6 +127,25 @@ def backend_pending_bytes(model: ModelConfig, mode: str, itemsize: int) -> int:
     if mode not in (*per_weight, "dense"):
         raise ValueError(f"unknown CPU backend mode {mode!r}")
     return int(gemm_weights(model) * per_weight.get(mode, 0))
+
+
+def child_compile_fits(
+    host: HostMemory,
+    footprint: Footprint,
+    block_bytes: int,
+    num_layers: int,
+    min_blocks: int,
+) -> bool:
+    """Whether the memory holds a compiling child beside `footprint` (the process with
+    the model's dense weights, which the torch forward serves on meanwhile) and
+    `min_blocks` KV blocks. Where it does not, the server compiles before it serves,
+    without the dense weights (`cpu.prepare(compile_first=True)`)."""
+    beside = dataclasses.replace(footprint, pending=max(footprint.pending, COMPILE_CHILD_BYTES))
+    try:
+        plan_kv_cache(host, beside, block_bytes, num_layers, min_blocks)
+    except ValueError:
+        return False
+    return True
 
 
 def plan_kv_cache(

@@ -58,28 +58,23 @@ def num_kv_blocks(
     device: torch.device,
     model: ModelConfig,
     backend_mode: str | None = None,
+    compiling: bool = False,
 ) -> int:
     """How many blocks the KV budget buys: exact, a byte budget or what the memory limit
     leaves on CPU (`memory.plan_kv_cache`), free memory on CUDA. backend_mode: the mode
-    of a CPU executor that is still building its weights beside the model's, or None."""
+    of a CPU executor that is still building its weights beside the model's, or None;
+    compiling: its kernels compile meanwhile, in a child (`memory.COMPILE_CHILD_BYTES`)."""
     if config.num_gpu_blocks is not None:
         return config.num_gpu_blocks
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * config.gpu_memory_utilization)
     elif config.kv_cache_memory is None:
-        # The cache's element size, the model's dtype: block_bytes = 2 * layers * block
-        # tokens * kv heads * head_dim of them.
-        elements = 2 * model.num_layers * config.block_size * model.num_kv_heads * model.head_dim
-        itemsize = block_bytes // elements
-        memory.release_free_heap()
-        footprint = memory.Footprint(
-            resident=memory.resident_bytes(),
-            pending=0
-            if backend_mode is None
-            else memory.backend_pending_bytes(model, backend_mode, itemsize),
-            activations=memory.activation_bytes(model, config, itemsize),
-        )
+        footprint = _footprint(config, block_bytes, model, backend_mode)
+        if compiling:
+            footprint = dataclasses.replace(
+                footprint, pending=max(footprint.pending, memory.COMPILE_CHILD_BYTES)
+            )
         plan = memory.plan_kv_cache(
             memory.read_host_memory(),
             footprint,
@@ -97,6 +92,40 @@ def num_kv_blocks(
             f"kv_cache_memory ({budget} bytes) is smaller than one KV block ({block_bytes} bytes)"
         )
     return blocks
+
+
+def _footprint(
+    config: EngineConfig, block_bytes: int, model: ModelConfig, backend_mode: str | None
+) -> memory.Footprint:
+    """The process's memory now, what the CPU backend still builds (`backend_mode`, or
+    None) and one step's activations, for `memory.plan_kv_cache`."""
+    # The cache's element size, the model's dtype: block_bytes = 2 * layers * block
+    # tokens * kv heads * head_dim of them.
+    elements = 2 * model.num_layers * config.block_size * model.num_kv_heads * model.head_dim
+    itemsize = block_bytes // elements
+    memory.release_free_heap()
+    return memory.Footprint(
+        resident=memory.resident_bytes(),
+        pending=0
+        if backend_mode is None
+        else memory.backend_pending_bytes(model, backend_mode, itemsize),
+        activations=memory.activation_bytes(model, config, itemsize),
+    )
+
+
+def child_compile_fits(config: EngineConfig, block_bytes: int, model: ModelConfig) -> bool:
+    """Whether the memory holds the torch forward serving (with the model's dense weights,
+    as loaded now) while a child compiles the CPU kernels, with a KV block per sequence;
+    True where the KV cache is not sized from the memory."""
+    if config.num_gpu_blocks is not None or config.kv_cache_memory is not None:
+        return True
+    return memory.child_compile_fits(
+        memory.read_host_memory(),
+        _footprint(config, block_bytes, model, None),
+        block_bytes=block_bytes,
+        num_layers=model.num_layers,
+        min_blocks=config.max_num_seqs,
+    )
 
 
 def kernel_set_identity(
@@ -169,9 +198,31 @@ class ModelRunner:
             cached = cpu.compiled_before(self._kernel_set)
             background = config.compile_in_background and not cached
             store = weights_store(self._kernel_set)
-            self.executor = cpu.prepare(
-                self.model, config.block_size, background=background, cached=cached, store=store
+            block_bytes = kv_block_bytes(loaded, config.block_size, self.dtype)
+            first = (
+                background
+                and store is not None
+                and cpu.supports(cfg)
+                and not child_compile_fits(config, block_bytes, cfg)
             )
+            if first:
+                log.info(
+                    "CPU executor: the memory limit cannot hold the model's dense weights, "
+                    "a child compiling the kernels and the KV cache at once; compiling "
+                    "before serving, without the dense weights"
+                )
+            self.executor = cpu.prepare(
+                self.model,
+                config.block_size,
+                background=background and not first,
+                cached=cached,
+                store=store,
+                compile_first=first,
+            )
+            if first and not (self.executor is not None and self.executor.active):
+                log.warning("CPU executor: compiling failed; the torch forward serves")
+                self.executor = None
+                self._read_released_weights()
             if loaded.deferred and not (self.executor is not None and self.executor.active):
                 log.warning(
                     "CPU executor: not serving from its stored weights; reading the model's"
@@ -197,6 +248,7 @@ class ModelRunner:
             device,
             cfg,
             self.executor.mode if building else None,
+            compiling=building and self.executor.compiled,
         )
         shape = (self.num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zero-filled, though every path masks the slots past a sequence's end: no slot
@@ -235,12 +287,16 @@ class ModelRunner:
         except Exception:
             log.exception("CPU executor: failed to start serving; the torch forward serves")
             self.executor = None
-            released = frozenset(n for n, p in self.model.named_parameters() if p.is_meta)
-            self.loaded.deferred = self.loaded.deferred | released
-            self.loaded.load_deferred()
+            self._read_released_weights()
             return None
         log.info("CPU executor: kernels ready, serving every step")
         return executor
+
+    def _read_released_weights(self) -> None:
+        """Read again the dense weights an executor released, for the torch forward."""
+        released = frozenset(n for n, p in self.model.named_parameters() if p.is_meta)
+        self.loaded.deferred = self.loaded.deferred | released
+        self.loaded.load_deferred()
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:

@@ -224,7 +224,11 @@ class CpuExecutor:
         self.argmax = argmax
 
     def build_and_warm_up(
-        self, block_size: int, cached: bool = False, compile_elsewhere: bool = False
+        self,
+        block_size: int,
+        cached: bool = False,
+        compile_elsewhere: bool = False,
+        release_dense: bool = False,
     ) -> None:
         """Build the GEMMs, then compile (or load from numba's disk cache) every kernel
         serving will call, by running small batches through each path on a scratch cache
@@ -233,10 +237,12 @@ class CpuExecutor:
         (the model's torch forward keeps serving).
 
         compile_elsewhere (a serving process): kernels not known to be cached compile in
-        a forked child first (`compile_in_child`), and this process then only loads them."""
+        a forked child first (`compile_in_child`), and this process then only loads them.
+        release_dense: this process does not serve on the model's forward meanwhile, so it
+        releases the dense weights as soon as the child holds them (`compile_in_child`)."""
         try:
             if self.compiled and compile_elsewhere and not cached:
-                cached = self.compile_in_child(block_size)
+                cached = self.compile_in_child(block_size, release_dense)
                 if cached and self.store is not None and self.store.is_file():
                     # The child stored the weights it built: `activate` reads them back
                     # once the dense weights are released, so the two forms never
@@ -266,7 +272,7 @@ class CpuExecutor:
             with torch.inference_mode():
                 self._run_warm_up_batches(block_size, cached)
 
-    def compile_in_child(self, block_size: int) -> bool:
+    def compile_in_child(self, block_size: int, release_dense: bool = False) -> bool:
         """Compile every kernel serving will call into numba's disk cache in a forked
         child: it shares the model's weights copy-on-write, builds the executor's form of
         them, runs the warm-up and exits. A process that compiles keeps about 0.5 GiB of
@@ -276,8 +282,14 @@ class CpuExecutor:
         caller then compiles them itself). Raises RuntimeError where the child failed or
         timed out: compiling here would hold the child's memory for the server's life
         (and a child killed for memory would take the server with it), so the model's
-        torch forward keeps serving instead."""
+        torch forward keeps serving instead.
+
+        release_dense: where the built weights will be stored, release this process's
+        dense weights once the child is forked: the child, which releases them after
+        building, is then their last holder, and their pages go back before it compiles.
+        The caller reads them again if the child fails."""
         from pagedinfer.kernels.cpu.compile_record import record_directory
+        from pagedinfer.service.memory import release_free_heap
 
         directory = record_directory()
         try:
@@ -295,6 +307,9 @@ class CpuExecutor:
         if pid == 0:
             self._warm_up_and_exit(block_size)
         gc.unfreeze()
+        if release_dense and self.store is not None:
+            self._release_dense_weights()
+            release_free_heap()
         log.info("CPU executor: compiling the kernels in a child process (pid %d)", pid)
         deadline = started + CHILD_COMPILE_TIMEOUT_S
         while True:
@@ -321,13 +336,21 @@ class CpuExecutor:
         every kernel into the disk cache), then leave without running any of the parent's
         clean-up. It dies with the thread that forked it, and runs torch on one thread
         (the parent's OpenMP pool does not exist in a fork)."""
+        from pagedinfer.service.memory import release_free_heap
+
         code = 1
         try:
             with contextlib.suppress(OSError, AttributeError):
                 ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            # Under a memory limit, the kernel's OOM killer takes this child, not the
+            # server (which then reports it and serves on the torch forward).
+            with contextlib.suppress(OSError):
+                Path("/proc/self/oom_score_adj").write_text("1000\n")
             torch.set_num_threads(1)
             self._build()
             self._release_built_weights()
+            self._release_dense_weights()  # shared with the server, or held only here
+            release_free_heap()  # the build's scratch, before compiling adds LLVM's
             with torch.inference_mode():
                 self._run_warm_up_batches(block_size)
             code = 0
@@ -829,6 +852,7 @@ def prepare(
     background: bool = False,
     cached: bool = False,
     store: Path | None = None,
+    compile_first: bool = False,
 ) -> CpuExecutor | None:
     """The executor for `model` on this CPU, or None where the model's own torch forward
     must serve it: a feature the executor lacks, weights off the CPU, or no faster GEMMs
@@ -842,6 +866,10 @@ def prepare(
     the fused step is warmed up, and the layer-by-layer path (steps past the fused
     step's size) loads its kernels on first use. store: a file that keeps the built
     grids between starts (`weight_store`), named by everything they depend on.
+    compile_first (without background): compile in a child process all the same, and
+    release the model's dense weights meanwhile, for a memory limit that cannot hold
+    them, a compiling child and the KV cache at once; the executor serves on return,
+    or the caller reads the dense weights again (`error` says why).
     """
     missing = unsupported_features(model.config)
     if missing:
@@ -861,7 +889,7 @@ def prepare(
             daemon=True,
         ).start()
     else:
-        executor.build_and_warm_up(block_size, cached)
+        executor.build_and_warm_up(block_size, cached, compile_first, compile_first)
         if executor.ready:
             executor.activate()
     return executor

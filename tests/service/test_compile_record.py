@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -149,3 +150,117 @@ def test_a_failed_compiling_child_leaves_the_torch_forward_serving(
         tokens += [t for delta in engine.step() for t in delta.token_ids]
     assert len(tokens) == 4
     assert not executor.active
+
+
+def test_the_compiling_child_is_the_first_the_oom_killer_takes(
+    records: Path, make_tiny_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a pod's memory limit, the kernel kills the process with the highest OOM
+    score: the child raises its own to the maximum, so the server survives (and serves
+    on the torch forward) if compiling overruns the limit."""
+    from pagedinfer.kernels.cpu.executor import CpuExecutor
+
+    def warm_up_in_child(self: CpuExecutor, block_size: int, **kwargs: object) -> None:
+        score = Path("/proc/self/oom_score_adj").read_text().strip()
+        os._exit(0 if score == "1000" else 5)
+
+    monkeypatch.setattr(CpuExecutor, "_build", lambda self: None)
+    monkeypatch.setattr(CpuExecutor, "_release_built_weights", lambda self: None)
+    monkeypatch.setattr(CpuExecutor, "_run_warm_up_batches", warm_up_in_child)
+    monkeypatch.setattr(CpuExecutor, "_build_and_load", lambda self, block_size, cached: None)
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(make_tiny_model("llama")),
+            num_gpu_blocks=32,
+            max_model_len=128,
+            compile_in_background=True,
+        )
+    )
+    executor = engine.runner.executor
+    if executor is None:
+        pytest.skip("no CPU executor on this machine")
+    assert executor.wait_ready(120) or executor.error is not None, "the child never finished"
+    assert executor.error is None, executor.error
+    assert Path("/proc/self/oom_score_adj").read_text().strip() != "1000"  # the server's own
+
+
+def greedy_tokens(engine: LLMEngine) -> list[int]:
+    from pagedinfer.service.sampling_params import SamplingParams
+
+    engine.add_request(
+        [1, 2, 3, 4, 5], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    )
+    tokens = []
+    while engine.has_unfinished():
+        tokens += [t for delta in engine.step() for t in delta.token_ids]
+    return tokens
+
+
+def tiny_config(make_tiny_model: Callable[..., Path], **overrides: object) -> EngineConfig:
+    settings: dict[str, object] = {"num_gpu_blocks": 32, "max_model_len": 128}
+    settings["compile_in_background"] = True
+    return EngineConfig(model=str(make_tiny_model("llama")), **{**settings, **overrides})
+
+
+def test_a_limit_that_cannot_hold_a_compiling_child_beside_the_model_compiles_first(
+    records: Path, make_tiny_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the memory limit holds the model's dense weights or a compiling child but
+    not both, the server compiles before it serves: its executor serves from the first
+    step, and it let go of the dense weights while the child compiled."""
+    from pagedinfer.kernels.cpu.executor import CpuExecutor
+    from pagedinfer.service import model_runner
+
+    reference = greedy_tokens(LLMEngine(tiny_config(make_tiny_model, compile_in_background=False)))
+    shutil.rmtree(records)  # forget that the reference compiled the kernels
+    released_while_compiling = []
+    compile_in_child = CpuExecutor.compile_in_child
+
+    def watched(self: CpuExecutor, block_size: int, release_dense: bool = False) -> bool:
+        wait = os.waitpid
+
+        def waitpid(pid: int, options: int) -> tuple[int, int]:
+            linears = [lin.weight for layer in self.model.layers for lin in layer.linears()]
+            released_while_compiling.append(all(w.is_meta for w in linears))
+            return wait(pid, options)
+
+        monkeypatch.setattr(os, "waitpid", waitpid)
+        try:
+            return compile_in_child(self, block_size, release_dense)
+        finally:
+            monkeypatch.setattr(os, "waitpid", wait)
+
+    monkeypatch.setattr(model_runner, "child_compile_fits", lambda *args: False)
+    monkeypatch.setattr(CpuExecutor, "compile_in_child", watched)
+    engine = LLMEngine(tiny_config(make_tiny_model))
+    executor = engine.runner.executor
+    if executor is None:
+        pytest.skip("no CPU executor on this machine")
+    assert executor.active and executor.error is None
+    assert released_while_compiling and all(released_while_compiling)
+    assert compile_record.compiled_before(engine.runner._kernel_set)
+    assert greedy_tokens(engine) == reference
+
+
+def test_a_failed_child_when_compiling_first_reads_the_dense_weights_again(
+    records: Path, make_tiny_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pagedinfer.kernels.cpu.executor import CpuExecutor
+    from pagedinfer.service import model_runner
+
+    reference = greedy_tokens(LLMEngine(tiny_config(make_tiny_model, compile_in_background=False)))
+    shutil.rmtree(records)  # forget that the reference compiled the kernels
+    forked = records.parent / "forked"
+
+    def child(self: CpuExecutor, block_size: int) -> None:
+        forked.touch()
+        os._exit(3)
+
+    monkeypatch.setattr(model_runner, "child_compile_fits", lambda *args: False)
+    monkeypatch.setattr(CpuExecutor, "_warm_up_and_exit", child)
+    engine = LLMEngine(tiny_config(make_tiny_model))
+    if not forked.exists():
+        pytest.skip("no CPU executor on this machine")
+    assert engine.runner.executor is None
+    assert not any(p.is_meta for p in engine.runner.model.parameters())
+    assert greedy_tokens(engine) == reference

@@ -113,6 +113,27 @@ def test_what_the_backend_still_builds_is_reserved():
     )
 
 
+def test_a_compiling_child_fits_where_the_limit_holds_it_beside_the_model():
+    """The flagship example's 2 GiB limit holds the model served on its dense weights
+    with a KV block per sequence, but not a compiling child beside them: the server
+    then compiles first. More memory, or no limit, holds both."""
+    dense = footprint(1034 * MiB, activations=123 * MiB)
+    assert memory.plan_kv_cache(limited(2 * GiB), dense, BLOCK, LAYERS, 256)
+    assert not memory.child_compile_fits(limited(2 * GiB), dense, BLOCK, LAYERS, 256)
+    assert memory.child_compile_fits(limited(3 * GiB), dense, BLOCK, LAYERS, 256)
+    unlimited = HostMemory(limit=None, source="no cgroup memory limit", available=16 * GiB)
+    assert memory.child_compile_fits(unlimited, dense, BLOCK, LAYERS, 256)
+    # A child fits at a limit exactly where a plan that reserves it holds the blocks.
+    for limit in range(1800 * MiB, 2600 * MiB, 50 * MiB):
+        reserved = footprint(1034 * MiB, activations=123 * MiB, pending=memory.COMPILE_CHILD_BYTES)
+        try:
+            memory.plan_kv_cache(limited(limit), reserved, BLOCK, LAYERS, 256)
+            holds = True
+        except ValueError:
+            holds = False
+        assert memory.child_compile_fits(limited(limit), dense, BLOCK, LAYERS, 256) == holds
+
+
 def test_backend_pending_bytes_by_mode():
     model = smollm2()
     weights = 30 * (576 * (576 + 384) + 576 * 576 + 3 * 576 * 1536) + 49152 * 576
