@@ -573,13 +573,38 @@ def snake_task(turn: int, worker: int, workers: int) -> int:
     return turn * workers + workers - 1 - worker
 
 
+@intrinsic
+def yield_core(typingctx: Any) -> Any:
+    """sched_yield(2): let another thread that is ready to run have this core (the symbol
+    is resolved when the code is loaded, so a kernel that calls it stays cacheable)."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        fnty = ir.FunctionType(ir.IntType(32), [])
+        builder.call(cgutils.get_or_insert_function(builder.module, fnty, "sched_yield"), [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+# Pauses a worker spins at a barrier before it yields its core at each further check:
+# tens of microseconds, longer than the waits of a step's phases on idle cores.
+BARRIER_SPINS = 1024
+
+
 @jit(inline="always", nogil=True)
 def barrier(sync: np.ndarray, workers: int, passed: int) -> int:
     """Wait until all `workers` have reached their barrier number passed + 1 (sync[0]: the
     arrivals so far, 0 before the first); returns passed + 1, the caller's new count.
-    Workers spin: meant for phases of microseconds, with every worker on a core."""
+    Workers spin (phases take microseconds), then yield the core: where another process
+    shares the cores, a worker it preempted gets one back instead of waiting out the
+    time slices of those spinning for it."""
     atomic_add(sync, 0, 1)
     target = workers * (passed + 1)
+    spins = 0
     while atomic_load(sync, 0) < target:
-        spin_pause()
+        if spins < BARRIER_SPINS:
+            spin_pause()
+            spins += 1
+        else:
+            yield_core()
     return passed + 1
