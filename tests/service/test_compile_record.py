@@ -25,6 +25,26 @@ def records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return directory
 
 
+def greedy_tokens(engine: LLMEngine) -> list[int]:
+    """Six greedy tokens after five fixed ids."""
+    from pagedinfer.service.sampling_params import SamplingParams
+
+    engine.add_request(
+        [1, 2, 3, 4, 5], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    )
+    tokens = []
+    while engine.has_unfinished():
+        tokens += [t for delta in engine.step() for t in delta.token_ids]
+    return tokens
+
+
+def tiny_config(make_tiny_model: Callable[..., Path], **overrides: object) -> EngineConfig:
+    """The tiny Llama, compiled in the background as the server compiles it."""
+    settings: dict[str, object] = {"num_gpu_blocks": 32, "max_model_len": 128}
+    settings["compile_in_background"] = True
+    return EngineConfig(model=str(make_tiny_model("llama")), **{**settings, **overrides})
+
+
 def test_a_record_names_one_kernel_set(records: Path) -> None:
     assert not compile_record.compiled_before("model a")
     compile_record.record_compiled("model a")
@@ -63,12 +83,7 @@ def test_an_unwritable_cache_gets_no_record(
 def test_a_recorded_kernel_set_is_built_before_serving(
     records: Path, make_tiny_model: Callable[..., Path]
 ) -> None:
-    config = EngineConfig(
-        model=str(make_tiny_model("llama")),
-        num_gpu_blocks=32,
-        max_model_len=128,
-        compile_in_background=True,
-    )
+    config = tiny_config(make_tiny_model)
     first = LLMEngine(config)
     if first.runner.executor is None:
         pytest.skip("no CPU executor on this machine")
@@ -126,14 +141,7 @@ def test_a_failed_compiling_child_leaves_the_torch_forward_serving(
 
     monkeypatch.setattr(CpuExecutor, "_warm_up_and_exit", child)
     monkeypatch.setattr(CpuExecutor, "_build_and_load", compile_here)
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(make_tiny_model("llama")),
-            num_gpu_blocks=32,
-            max_model_len=128,
-            compile_in_background=True,
-        )
-    )
+    engine = LLMEngine(tiny_config(make_tiny_model))
     executor = engine.runner.executor
     if executor is None:
         pytest.skip("no CPU executor on this machine")
@@ -168,38 +176,13 @@ def test_the_compiling_child_is_the_first_the_oom_killer_takes(
     monkeypatch.setattr(CpuExecutor, "_release_built_weights", lambda self: None)
     monkeypatch.setattr(CpuExecutor, "_run_warm_up_batches", warm_up_in_child)
     monkeypatch.setattr(CpuExecutor, "_build_and_load", lambda self, block_size, cached: None)
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(make_tiny_model("llama")),
-            num_gpu_blocks=32,
-            max_model_len=128,
-            compile_in_background=True,
-        )
-    )
+    engine = LLMEngine(tiny_config(make_tiny_model))
     executor = engine.runner.executor
     if executor is None:
         pytest.skip("no CPU executor on this machine")
     assert executor.wait_ready(120) or executor.error is not None, "the child never finished"
     assert executor.error is None, executor.error
     assert Path("/proc/self/oom_score_adj").read_text().strip() != "1000"  # the server's own
-
-
-def greedy_tokens(engine: LLMEngine) -> list[int]:
-    from pagedinfer.service.sampling_params import SamplingParams
-
-    engine.add_request(
-        [1, 2, 3, 4, 5], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    )
-    tokens = []
-    while engine.has_unfinished():
-        tokens += [t for delta in engine.step() for t in delta.token_ids]
-    return tokens
-
-
-def tiny_config(make_tiny_model: Callable[..., Path], **overrides: object) -> EngineConfig:
-    settings: dict[str, object] = {"num_gpu_blocks": 32, "max_model_len": 128}
-    settings["compile_in_background"] = True
-    return EngineConfig(model=str(make_tiny_model("llama")), **{**settings, **overrides})
 
 
 def test_a_limit_that_cannot_hold_a_compiling_child_beside_the_model_compiles_first(
