@@ -79,6 +79,11 @@ class Footprint:
     pending: int  # still to come at start: the CPU backend's weights while it builds them
     activations: int  # one step's tensors and sampling logits (`activation_bytes`)
 
+    def with_compiling_child(self) -> Footprint:
+        """This footprint while a child compiles the CPU kernels: the child's memory
+        (`COMPILE_CHILD_BYTES`) is pending, unless the backend's own build is larger."""
+        return dataclasses.replace(self, pending=max(self.pending, COMPILE_CHILD_BYTES))
+
 
 @dataclass(frozen=True)
 class KVCachePlan:
@@ -140,9 +145,8 @@ def child_compile_fits(
     the model's dense weights, which the torch forward serves on meanwhile) and
     `min_blocks` KV blocks. Where it does not, the server compiles before it serves,
     without the dense weights (`cpu.prepare(compile_first=True)`)."""
-    beside = dataclasses.replace(footprint, pending=max(footprint.pending, COMPILE_CHILD_BYTES))
     try:
-        plan_kv_cache(host, beside, block_bytes, num_layers, min_blocks)
+        plan_kv_cache(host, footprint.with_compiling_child(), block_bytes, num_layers, min_blocks)
     except ValueError:
         return False
     return True

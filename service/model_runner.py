@@ -72,9 +72,7 @@ def num_kv_blocks(
     elif config.kv_cache_memory is None:
         footprint = _footprint(config, block_bytes, model, backend_mode)
         if compiling:
-            footprint = dataclasses.replace(
-                footprint, pending=max(footprint.pending, memory.COMPILE_CHILD_BYTES)
-            )
+            footprint = footprint.with_compiling_child()
         plan = memory.plan_kv_cache(
             memory.read_host_memory(),
             footprint,
