@@ -74,10 +74,16 @@ class BlockGrid:
 
 def concatenate(grids: Iterable[BlockGrid]) -> BlockGrid:
     """Grids stacked along their rows (a fused weight from its parts): the codes' range
-    is the union of theirs; parts with different runs or scale types all become fine."""
+    is the union of theirs; parts with different runs all become fine, parts with the
+    same runs and different scale types get fp32 scales (which hold fp16's exactly)."""
     grids = list(grids)
-    if len({(g.group, g.d.dtype) for g in grids}) > 1:
+    if len({g.group for g in grids}) > 1:
         grids = [g.fine() for g in grids]
+    elif len({g.d.dtype for g in grids}) > 1:
+        grids = [
+            BlockGrid(g.codes, g.d.astype(np.float32), g.m.astype(np.float32), g.low, g.high)
+            for g in grids
+        ]
     return BlockGrid(
         codes=np.concatenate([g.codes for g in grids]),
         d=np.concatenate([g.d for g in grids]),

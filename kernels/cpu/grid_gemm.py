@@ -185,13 +185,27 @@ def fine(grid: GridWeight) -> GridWeight:
 
 def one_kind(grids: list[GridWeight]) -> list[GridWeight] | None:
     """Grids of one GEMM position (one per layer) as grids of one kind and scale type: as
-    they are where they share them, all FINE8 where they differ; None where one is not on
-    a grid (its position then runs from fp32 tiles)."""
+    they are where they share them; where they differ, the narrowest that holds them all:
+    with scales per 32 inputs throughout, AFFINE4 (all 4-bit) or SCALED8 with fp32 scales,
+    else FINE8; None where one is not on a grid (its position then runs from fp32 tiles)."""
     if len({(g.kind, g.scales.dtype) for g in grids}) == 1:
         return grids
-    if not {g.kind for g in grids} <= set(GRIDS):
+    kinds = {g.kind for g in grids}
+    if not kinds <= set(GRIDS):
         return None
-    return [fine(g) for g in grids]
+    if FINE8 in kinds:
+        return [fine(g) for g in grids]
+    kind = AFFINE4 if kinds == {AFFINE4} else SCALED8
+    return [
+        GridWeight(
+            kind,
+            g.out_features,
+            g.in_features,
+            g.codes if g.kind == kind else np.ascontiguousarray(_codes(g.kind, g.codes)),
+            _fp32_scales(g.scales),
+        )
+        for g in grids
+    ]
 
 
 def rebuilt(weight: torch.Tensor, kind: str = REBUILT) -> GridWeight | None:

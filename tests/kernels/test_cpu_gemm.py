@@ -232,7 +232,8 @@ def test_a_k_quant_weight_runs_from_its_grid_in_the_bits_of_the_fixed_order(
 @pytest.mark.parametrize("make", [affine4_weight, scaled8_weight])
 def test_a_grid_made_fine_gives_the_same_products(make) -> None:
     """`fine` turns a 4-bit or 8-bit grid into FINE8 holding the same weights: the same
-    bits from every path; `one_kind` makes a position's mixed grids all fine."""
+    bits from every path; `one_kind` makes a position's 4-bit and 8-bit grids all 8-bit
+    with fp32 scales (the same bits again), and all fine where one is."""
     weight = make(256, 576, seed=8)
     grid = grid_gemm.to_grid(weight)
     fine = grid_gemm.fine(grid)
@@ -249,7 +250,15 @@ def test_a_grid_made_fine_gives_the_same_products(make) -> None:
         scaled8_weight(256, 576) if make is affine4_weight else affine4_weight(256, 576)
     )
     assert grid_gemm.one_kind([grid, grid]) == [grid, grid]
-    assert [g.kind for g in grid_gemm.one_kind([grid, other])] == [grid_gemm.FINE8] * 2
+    mixed = grid_gemm.one_kind([grid, other])
+    assert [(g.kind, g.scales.dtype) for g in mixed] == [(grid_gemm.SCALED8, np.float32)] * 2
+    assert torch.equal(mixed[0].dense(), weight)
+    for rows in (1, len(x)):
+        assert torch.equal(
+            grid_gemm.grid_linear(x[:rows], mixed[0], order),
+            grid_gemm.grid_linear(x[:rows], grid, order),
+        )
+    assert [g.kind for g in grid_gemm.one_kind([grid, fine])] == [grid_gemm.FINE8] * 2
     assert grid_gemm.one_kind([grid, grid_gemm.rebuilt(weight)]) is None
 
 

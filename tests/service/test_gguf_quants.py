@@ -126,6 +126,20 @@ def test_parts_of_different_types_concatenate_as_fine_grids() -> None:
     np.testing.assert_array_equal(whole.dense(), expected)
 
 
+def test_parts_with_the_same_runs_concatenate_with_fp32_scales() -> None:
+    """A fused weight whose parts are Q4_K (fp32 per 32) and Q8_0 (fp16 per 32), as
+    Q4_K_M's q/k/v: runs of 32 kept, fp16 scales widened exactly, not made fine."""
+    parts = [("Q4_K", 1), ("Q8_0", 8)]  # 256 values a row each
+    raws = [random_blocks(name, rows=16, blocks=blocks, seed=6) for name, blocks in parts]
+    grids = [gguf_quants.block_grid(raw, name) for raw, (name, _) in zip(raws, parts, strict=True)]
+    whole = gguf_quants.concatenate(grids)
+    assert whole.group == 32 and whole.d.dtype == np.float32
+    expected = np.concatenate(
+        [gguf_quants.dequantize(r, n) for r, (n, _) in zip(raws, parts, strict=True)]
+    )
+    np.testing.assert_array_equal(whole.dense(), expected)
+
+
 def test_grid_ranges_per_type() -> None:
     ranges = {
         name: (g.low, g.high)

@@ -53,14 +53,15 @@ def mixed_kinds_model() -> torch.nn.Module:
 
 def test_each_position_takes_one_kind_or_its_fp32_tiles() -> None:
     """q/k/v on 4-bit grids, o on 8-bit ones, gate/up on none, down mixing 4 and 8 bits
-    across layers: (affine4, scaled8, rebuilt, fine8) and the 8-bit LM head; the fused
+    across layers: (affine4, scaled8, rebuilt, scaled8 with fp32 scales) and the 8-bit LM head; the fused
     step gives the layered logits and cache bit for bit, close to the torch forward's."""
     model = mixed_kinds_model()
     reference = copy.deepcopy(model)
     executor = cpu.prepare(model, BLOCK_SIZE)
     assert executor is not None and executor.mode == "grid"
-    kinds = (grid_gemm.AFFINE4, grid_gemm.SCALED8, grid_gemm.REBUILT, grid_gemm.FINE8)
+    kinds = (grid_gemm.AFFINE4, grid_gemm.SCALED8, grid_gemm.REBUILT, grid_gemm.SCALED8)
     assert executor.fused.kinds == (*kinds, grid_gemm.SCALED8)
+    assert executor.fused.scales[3].dtype == np.float32
     chunks = [(0, [5], 20), (1, [1, 2, 3, 4, 5], 33)]
     assert_fused_matches_layered(executor, prefilled(executor, [20, 33]), chunks)
     cache = PagedCache(reference.config, 1, 40, seed=3)

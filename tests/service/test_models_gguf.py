@@ -272,8 +272,8 @@ QUANT_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
         ("affine4", "scaled8", "affine4", "fine8", "fine8"),
     ),
     # The other types: K-quant parts beside an fp32 layer (rebuilt), Q4_0 beside Q8_0
-    # layers and Q6_K (fine), F16 and BF16 (rebuilt), and a Q5_1 LM head (8-bit with
-    # offsets: no 8-bit argmax).
+    # layers (8-bit with fp32 scales), Q6_K (fine), F16 and BF16 (rebuilt), and a Q5_1
+    # LM head (8-bit with offsets: no 8-bit argmax).
     "the_rest": (
         {
             "blk.0.attn_q": "Q2_K",
@@ -289,7 +289,7 @@ QUANT_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
             "blk.1.ffn_down": "Q6_K",
             "output.": "Q5_1",
         },
-        ("rebuilt", "fine8", "rebuilt", "fine8", "scaled8"),
+        ("rebuilt", "scaled8", "rebuilt", "fine8", "scaled8"),
     ),
 }
 # The K-quants' d (and dmin) for weights of a few hundredths, from random codes and scales.
