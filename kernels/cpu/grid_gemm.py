@@ -666,12 +666,15 @@ def gemm_all_rows(
     # registers hold them; with silu it goes to `product`, and `_silu_rows` makes out of
     # it (the SiLU inside this kernel, called for a few rows at a time, cost more than
     # the product).
-    scratch_tiles = TILE_GROUP if _WIDE_VECTORS else tiles_per_group(scratch_rows)
-    over_scratch = _by_rows(REBUILT, k, ends, fused, False, scratch_rows, scratch_tiles)
     half = TILE_GROUP // 2  # with silu: a group's gate tiles, then as many of up
     # fp32 weights are already what the scratch would hold: the rows run over the weight's
-    # own tiles, with no copy (a gate/up pair in two halves, where a pass takes a half).
-    in_place = kind == REBUILT and (not silu or scratch_tiles <= half)
+    # own tiles, with no copy; a gate/up pair in two halves, its gate tiles and then its up
+    # tiles (not adjacent in the weight), which costs less than copying them together.
+    in_place = kind == REBUILT
+    scratch_tiles = TILE_GROUP if _WIDE_VECTORS else tiles_per_group(scratch_rows)
+    if in_place and silu:
+        scratch_tiles = min(scratch_tiles, half)
+    over_scratch = _by_rows(REBUILT, k, ends, fused, False, scratch_rows, scratch_tiles)
     halves = silu and scratch_tiles <= half
     scratch_tiles_held = 0 if in_place else TILE_GROUP
 

@@ -345,17 +345,19 @@ def test_every_row_and_output_is_summed_once_however_the_workers_share_them(thre
             assert torch.equal(out, expected[:rows] + 1), rows
 
 
+@pytest.mark.parametrize("form", [grid_gemm.to_grid, grid_gemm.rebuilt], ids=["grid", "fp32"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_the_gate_up_gemm_gives_silu_mul_of_its_product(threads) -> None:
+def test_the_gate_up_gemm_gives_silu_mul_of_its_product(threads, form) -> None:
     """A [gate | up] weight of 2 x 288 outputs (nine groups of two gate tiles and the same
-    two of up): with silu, each group's product goes through `layer_ops.silu_times` and
-    out gets what `silu_mul` makes of the whole product, bit for bit, for every row count
-    and however the workers share the groups."""
+    two of up), on its grid or as fp32 tiles (whose gate and up halves run in place): with
+    silu, each group's product goes through `layer_ops.silu_times` and out gets what
+    `silu_mul` makes of the whole product, bit for bit, for every row count and however
+    the workers share the groups."""
     from pagedinfer.kernels.cpu import layer_ops
     from pagedinfer.kernels.cpu.numba_support import Job, run_jobs
 
     weight = affine4_weight(576, 256, seed=11)
-    grid = grid_gemm.to_grid(weight)
+    grid = form(weight)
     order = grid_gemm.SumOrder((128, 256), True)
     gemm = grid_gemm.gemm_all_rows(grid.kind, 256, order.ends, order.fused, silu=True)
     generator = torch.Generator().manual_seed(3)
