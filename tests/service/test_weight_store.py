@@ -39,7 +39,7 @@ def test_a_second_start_reads_the_stored_grids_and_serves_the_same_logits(
     model, store = mixed_kinds_model(), tmp_path / "grids.bin"
     first = cpu.prepare(copy.deepcopy(model), BLOCK_SIZE, store=store)
     assert first is not None and store.is_file()
-    kinds = (grid_gemm.AFFINE4, grid_gemm.SCALED8, grid_gemm.REBUILT, grid_gemm.FINE8)
+    kinds = (grid_gemm.AFFINE4, grid_gemm.SCALED8, grid_gemm.REBUILT, grid_gemm.SCALED8)
     assert first.fused.kinds == (*kinds, grid_gemm.SCALED8)
 
     def never(*args: object) -> None:
@@ -49,6 +49,7 @@ def test_a_second_start_reads_the_stored_grids_and_serves_the_same_logits(
     second = cpu.prepare(copy.deepcopy(model), BLOCK_SIZE, store=store)
     assert second is not None and second.mode == first.mode
     assert second.fused.kinds == first.fused.kinds
+    assert [a.dtype for a in second.fused.scales] == [a.dtype for a in first.fused.scales]
     assert torch.equal(logits(second), logits(first))
 
 
