@@ -173,7 +173,7 @@ def shape_supported(out_features: int, in_features: int) -> bool:
 def fine(grid: GridWeight) -> GridWeight:
     """A 4-bit or 8-bit grid as FINE8, holding the same weights (each fp16 scale and
     offset repeated for both runs of 16 of its block, in fp32): so that a GEMM position
-    whose layers come on different grids runs one kind."""
+    whose layers mix it with FINE8 grids runs one kind (`one_kind`)."""
     if grid.kind == FINE8:
         return grid
     if grid.kind not in GRIDS:
@@ -662,15 +662,15 @@ def gemm_all_rows(
     scaled = kind not in DENSE
     most, scratch_rows = row_limits(silu)
     one_pass = _by_rows(kind, k, ends, fused, silu, most)
-    # Over the scratch the product itself, all TILE_GROUP tiles at once where the
-    # registers hold them; with silu it goes to `product`, and `_silu_rows` makes out of
-    # it (the SiLU inside this kernel, called for a few rows at a time, cost more than
-    # the product).
     half = TILE_GROUP // 2  # with silu: a group's gate tiles, then as many of up
     # fp32 weights are already what the scratch would hold: the rows run over the weight's
     # own tiles, with no copy; a gate/up pair in two halves, its gate tiles and then its up
     # tiles (not adjacent in the weight), which costs less than copying them together.
     in_place = kind == REBUILT
+    # Over the scratch the product itself, all TILE_GROUP tiles at once where the
+    # registers hold them; with silu it goes to `product`, and `_silu_rows` makes out of
+    # it (the SiLU inside this kernel, called for a few rows at a time, cost more than
+    # the product).
     scratch_tiles = TILE_GROUP if _WIDE_VECTORS else tiles_per_group(scratch_rows)
     if in_place and silu:
         scratch_tiles = min(scratch_tiles, half)

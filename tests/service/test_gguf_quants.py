@@ -127,8 +127,8 @@ def test_parts_of_different_types_concatenate_as_fine_grids() -> None:
 
 
 def test_parts_with_the_same_runs_concatenate_with_fp32_scales() -> None:
-    """A fused weight whose parts are Q4_K (fp32 per 32) and Q8_0 (fp16 per 32), as
-    Q4_K_M's q/k/v: runs of 32 kept, fp16 scales widened exactly, not made fine."""
+    """A fused weight whose parts are Q4_K (fp32 per 32) and Q8_0 (fp16 per 32): runs of
+    32 kept, fp16 scales widened exactly, not made fine."""
     parts = [("Q4_K", 1), ("Q8_0", 8)]  # 256 values a row each
     raws = [random_blocks(name, rows=16, blocks=blocks, seed=6) for name, blocks in parts]
     grids = [gguf_quants.block_grid(raw, name) for raw, (name, _) in zip(raws, parts, strict=True)]

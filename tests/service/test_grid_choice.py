@@ -53,8 +53,9 @@ def mixed_kinds_model() -> torch.nn.Module:
 
 def test_each_position_takes_one_kind_or_its_fp32_tiles() -> None:
     """q/k/v on 4-bit grids, o on 8-bit ones, gate/up on none, down mixing 4 and 8 bits
-    across layers: (affine4, scaled8, rebuilt, scaled8 with fp32 scales) and the 8-bit LM head; the fused
-    step gives the layered logits and cache bit for bit, close to the torch forward's."""
+    across layers: (affine4, scaled8, rebuilt, scaled8 with fp32 scales) and the 8-bit LM
+    head; the fused step gives the layered logits and cache bit for bit, close to the
+    torch forward's."""
     model = mixed_kinds_model()
     reference = copy.deepcopy(model)
     executor = cpu.prepare(model, BLOCK_SIZE)
