@@ -188,10 +188,12 @@ def main(argv: list[str] | None = None) -> int:
         help="as throughput.py's --model: embedded, noisy, noisy-bf16, or a local Hugging "
         "Face directory or .gguf file",
     )
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     args = ap.parse_args(argv)
     engine_model = throughput.resolve_model(args.model)[0]
     config = EngineConfig(
         **({"model": engine_model} if engine_model is not None else {}),
+        dtype=args.dtype,
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -126,6 +126,15 @@ def child_compile_fits(config: EngineConfig, block_bytes: int, model: ModelConfi
     )
 
 
+def bf16_products_serve(model: torch.nn.Module, config: ModelConfig) -> bool:
+    """Whether a bf16 model is served with the CPU executor's bf16 products
+    (`cpu.bf16_products_serve`) rather than bf16 throughout."""
+    from pagedinfer.kernels import cpu
+
+    dtype = next(model.parameters()).dtype
+    return dtype == torch.bfloat16 and cpu.bf16_products_serve(config)
+
+
 def kernel_set_identity(
     config: ModelConfig, path: Path, block_size: int, dtype: torch.dtype
 ) -> str:
@@ -176,9 +185,15 @@ class ModelRunner:
         self.loaded = loaded
         self.model = loaded.model
         self.device = device
+        cfg = loaded.config
+        # bf16 on a CPU whose executor multiplies bf16 pairs: the weights' bf16 values in
+        # fp32, the layers' GEMMs in bf16 and the rest (KV cache included) in fp32.
+        self.bf16_products = device.type == "cpu" and bf16_products_serve(self.model, cfg)
+        if self.bf16_products:
+            self.model.float()
+            self.model.reset_buffers()
         self.dtype = next(self.model.parameters()).dtype
         self.block_size = config.block_size
-        cfg = loaded.config
         # The CPU backend, where it serves this model here; until its kernels are ready
         # (compiled in the background) the model's own forward serves. Prepared before
         # the KV cache is sized from the memory left, which its weights take from.
@@ -189,7 +204,12 @@ class ModelRunner:
         # Where the loader deferred the dense GEMM weights (`served_from_store`), they are
         # read only if the executor does not serve after all.
         self.executor = None
-        self._kernel_set = kernel_set_identity(cfg, loaded.path, config.block_size, self.dtype)
+        self._kernel_set = kernel_set_identity(
+            cfg,
+            loaded.path,
+            config.block_size,
+            torch.bfloat16 if self.bf16_products else self.dtype,
+        )
         if device.type == "cpu":
             from pagedinfer.kernels import cpu
 
@@ -216,6 +236,7 @@ class ModelRunner:
                 cached=cached,
                 store=store,
                 compile_first=first,
+                bf16_products=self.bf16_products,
             )
             if first and not (self.executor is not None and self.executor.active):
                 log.warning("CPU executor: compiling failed; the torch forward serves")
@@ -227,7 +248,11 @@ class ModelRunner:
                 )
                 loaded.load_deferred()
                 self.executor = cpu.prepare(
-                    self.model, config.block_size, background=background, store=store
+                    self.model,
+                    config.block_size,
+                    background=background,
+                    store=store,
+                    bf16_products=self.bf16_products,
                 )
             if self.executor is not None and self.executor.active:
                 cpu.record_compiled(self._kernel_set)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from pagedinfer.kernels.cpu.compile_record import compiled_before, record_compiled, weights_file
 from pagedinfer.kernels.cpu.executor import (
     SUPPORTED_FEATURES,
@@ -27,9 +29,22 @@ def supports(model_config: Any) -> bool:
     return not unsupported_features(model_config)
 
 
+def bf16_products_serve(model_config: Any) -> bool:
+    """Whether the executor serves this model in bf16 (--dtype bfloat16) with its own
+    kernels: the layers' GEMMs multiply bf16 pairs (`grid_gemm.BF16_DOT`), and the rest
+    runs in fp32. Needs AVX512-BF16, the compiled kernels, every feature implemented and no
+    GEMM bias; elsewhere bf16 runs on the matmul library's bf16 GEMMs and torch ops."""
+    from pagedinfer.kernels import torch_ops
+
+    biases = model_config.attention_bias or model_config.o_proj_bias or model_config.mlp_bias
+    native = bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+    return native and torch_ops.compiled_kernels() and supports(model_config) and not biases
+
+
 __all__ = [
     "SUPPORTED_FEATURES",
     "CpuExecutor",
+    "bf16_products_serve",
     "compiled_before",
     "prepare",
     "record_compiled",

@@ -119,10 +119,18 @@ class CpuExecutor:
     """Runs a model's forward pass on the CPU backend (see the module doc)."""
 
     def __init__(
-        self, model: nn.Module, mode: str, compiled: bool, store: Path | None = None
+        self,
+        model: nn.Module,
+        mode: str,
+        compiled: bool,
+        store: Path | None = None,
+        bf16_products: bool = False,
     ) -> None:
         self.model = model
         self.store = store  # where the built grids are kept between starts (`weight_store`)
+        # The layers' GEMMs multiply in bf16 (`grid_gemm.BF16_DOT`): the model is served
+        # with --dtype bfloat16, its weights rounded to bf16 values in fp32.
+        self.bf16_products = bf16_products
         self.config = model.config
         self.mode = mode  # "grid", "rebuilt", "mkl", "onednn" or "dense"
         self.compiled = compiled  # the ops between the GEMMs and attention in numba kernels
@@ -173,7 +181,7 @@ class CpuExecutor:
         from pagedinfer.kernels.cpu import weight_store
 
         if self.store is None:
-            return choose_grids(self.model)
+            return choose_grids(self.model, self.bf16_products)
         shapes = gemm_shapes(self.model)
         grids = weight_store.load(self.store, shapes)
         if grids is not None:
@@ -181,7 +189,7 @@ class CpuExecutor:
             return grids
         if any(w.is_meta for ws in _gemm_weights(self.model) for w in ws):
             raise ValueError(f"{self.store} does not load, and the dense weights were not read")
-        grids = choose_grids(self.model)
+        grids = choose_grids(self.model, self.bf16_products)
         if grids is not None:
             weight_store.save(self.store, grids)
         return grids
@@ -735,15 +743,19 @@ def _norms(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 POSITIONS = ("qkv", "o", "gate_up", "down", "lm_head")
 
 
-def choose_grids(model: nn.Module) -> tuple[list[list[Any]], Any] | None:
+def choose_grids(
+    model: nn.Module, bf16_products: bool = False
+) -> tuple[list[list[Any]], Any] | None:
     """Each GEMM position's weights (the four of every layer, in `linears()` order, and
     the LM head) as `grid_gemm.GridWeight`s: where every layer's weight at a position lies
     on a grid, those grids (`weight_grid`), made one kind where they differ
     (`grid_gemm.one_kind`), since the fused step runs one kind per position; otherwise
     that position's weights in tile layout (`grid_gemm.rebuilt`), in 16 bits where every
     value of the position is a bf16 (or every one an fp16: a checkpoint stored in that
-    type), else in fp32. None where a GEMM has a bias (the fused step adds none) or a
-    shape does not tile."""
+    type), else in fp32. bf16_products: every layer's GEMMs multiply in bf16
+    (`grid_gemm.BF16_DOT`), and the LM head in fp32 from its bf16 values (`greedy_argmax`
+    proves its tokens for fp32 products). None where a GEMM has a bias (the fused step
+    adds none) or a shape does not tile."""
     from pagedinfer.kernels.cpu import grid_gemm
 
     config = model.config
@@ -757,6 +769,15 @@ def choose_grids(model: nn.Module) -> tuple[list[list[Any]], Any] | None:
     chosen, described = [], []
     for position, weights in zip(POSITIONS, positions, strict=True):
         grids, sources = [], set()
+        if bf16_products:
+            kind = grid_gemm.BF16 if position == "lm_head" else grid_gemm.BF16_DOT
+            weights = [w.bfloat16().float() for w in weights] if kind == grid_gemm.BF16 else weights
+            grids = [grid_gemm.rebuilt(w, kind) for w in weights]
+            if any(g is None for g in grids):
+                return None
+            chosen.append(grids)
+            described.append(f"{position} {kind}")
+            continue
         for weight in weights:
             grid, source = weight_grid(weight, names.get(id(weight), ""), file_grids)
             if grid is None:
@@ -853,6 +874,7 @@ def prepare(
     cached: bool = False,
     store: Path | None = None,
     compile_first: bool = False,
+    bf16_products: bool = False,
 ) -> CpuExecutor | None:
     """The executor for `model` on this CPU, or None where the model's own torch forward
     must serve it: a feature the executor lacks, weights off the CPU, or no faster GEMMs
@@ -870,6 +892,9 @@ def prepare(
     release the model's dense weights meanwhile, for a memory limit that cannot hold
     them, a compiling child and the KV cache at once; the executor serves on return,
     or the caller reads the dense weights again (`error` says why).
+    bf16_products: the layers' GEMMs multiply in bf16 (the model served with --dtype
+    bfloat16 on a CPU with AVX512-BF16, its fp32 weights rounded to bf16 values;
+    `bf16_products_serve` says where this applies).
     """
     missing = unsupported_features(model.config)
     if missing:
@@ -880,7 +905,9 @@ def prepare(
     choice = choose_mode(model)
     if choice is None:
         return None
-    executor = CpuExecutor(model, *choice, store=store)
+    if bf16_products and choice != ("grid", True):
+        raise ValueError("bf16 products need the compiled kernels and no GEMM bias")
+    executor = CpuExecutor(model, *choice, store=store, bf16_products=bf16_products)
     if background:
         threading.Thread(
             target=executor.build_and_warm_up,

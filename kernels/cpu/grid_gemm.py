@@ -8,7 +8,9 @@ a weight instead of 32. A GGUF K-quant's weight is d * q + m with fp32 d and m, 
 of 32 inputs (Q4_K, Q5_K: the 4-bit or 8-bit grid with fp32 scales) or 16 (the others:
 FINE8, 12 bits a weight); `from_codes` keeps the file's blocks as those grids.
 Weights on no grid run the same kernels from fp32 tiles (REBUILT), or from their 16 bits
-where every value is a bf16 or an fp16 (BF16, FP16).
+where every value is a bf16 or an fp16 (BF16, FP16). A model served in bf16 multiplies in
+bf16 (BF16_DOT: weights and inputs rounded to bf16, products summed in fp32, two inputs
+an instruction where the CPU has AVX512-BF16).
 
 Why it pays: a decode step of a few tokens reads every weight once and does little with
 it, so its GEMMs cost what reading the weights costs. `gemm` rebuilds each weight in
@@ -30,6 +32,8 @@ Layouts: 16 output columns form a tile (a vector of fp32 lanes).
 - on no grid: fp32 as it is (REBUILT: codes fp32 [tiles, K, 16]), or, where every value
   is a bf16 or an fp16 (a checkpoint stored in that type), its 16 bits (BF16, FP16: codes
   uint16 [tiles, K, 16]), widened to fp32 exactly in registers; no scales.
+- bf16 products (BF16_DOT): codes uint32 [tiles, K / 2, 16], word (t, p, j) = bf16(w[16t +
+  j, 2p]) + 65536 bf16(w[16t + j, 2p + 1]); no scales.
 Kernel shapes (rows per pass, tiles at once) were chosen by measurement; the figures are
 in the benchmark results and the history.
 """
@@ -45,7 +49,7 @@ import numpy as np
 import torch
 from llvmlite import binding as llvm
 from llvmlite import ir
-from numba.core import types
+from numba.core import cgutils, types
 
 from pagedinfer.kernels.cpu.layer_ops import silu_times
 from pagedinfer.kernels.cpu.numba_support import (
@@ -95,7 +99,15 @@ GRIDS = (AFFINE4, SCALED8, FINE8)
 REBUILT = "rebuilt"
 # fp32 weights that are all bf16 (or fp16) values, kept in those 16 bits.
 BF16, FP16 = "bf16", "fp16"
-DENSE = (REBUILT, BF16, FP16)  # the kinds of weights on no quantisation grid
+# bf16 weights multiplied in bf16 (a model served with --dtype bfloat16): each pair of
+# inputs' two weights in one 32-bit word (codes uint32 [tiles, K / 2, 16], the lower half
+# input 2p's), and the inputs rounded to bf16 (to nearest, ties to even) as each call
+# starts; products summed in fp32 by AVX512-BF16's vdpbf16ps, two inputs an instruction.
+BF16_DOT = "bf16dot"
+DENSE = (REBUILT, BF16, FP16, BF16_DOT)  # the kinds of weights on no quantisation grid
+# Whether this CPU multiplies bf16 pairs natively (vdpbf16ps); elsewhere BF16_DOT
+# kernels do the same two fused multiply-adds a pair in fp32, at half the speed.
+NATIVE_BF16_DOT = bool(llvm.get_host_cpu_features().get("avx512bf16", False))
 
 
 @dataclass(frozen=True)
@@ -128,6 +140,11 @@ class GridWeight:
         the kernels never build it)."""
         tiles = self.out_features // LANES if tiles is None else tiles
         k = self.in_features
+        if self.kind == BF16_DOT:  # [tiles, K / 2, 16] words -> [tiles, K, 16] halves
+            words = self.codes[:tiles]
+            pairs = np.stack((words & 0xFFFF, words >> 16), axis=2).astype(np.uint32) << 16
+            w = np.ascontiguousarray(pairs.view(np.float32).reshape(tiles, k, LANES))
+            return torch.from_numpy(w.transpose(0, 2, 1).copy()).reshape(tiles * LANES, k)
         if self.kind in DENSE:
             codes = self.codes[:tiles]
             if self.kind == BF16:
@@ -211,9 +228,9 @@ def one_kind(grids: list[GridWeight]) -> list[GridWeight] | None:
 def rebuilt(weight: torch.Tensor, kind: str = REBUILT) -> GridWeight | None:
     """Any fp32 weight [out_features, in_features] in the kernels' tile layout, as already
     rebuilt weights (REBUILT: codes fp32 [tiles, K, 16]) or, with kind BF16 or FP16, as the
-    16 bits of a weight whose every value is one (`narrowest`); its scales are zeros,
-    which no kernel reads. So a checkpoint on no grid runs the same GEMMs and fused step.
-    None where the shape does not tile."""
+    16 bits of a weight whose every value is one (`narrowest`); with BF16_DOT, rounded to
+    bf16 in pairs of inputs. Its scales are zeros, which no kernel reads. So a checkpoint
+    on no grid runs the same GEMMs and fused step. None where the shape does not tile."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
         return None
     n, k = weight.shape
@@ -221,6 +238,12 @@ def rebuilt(weight: torch.Tensor, kind: str = REBUILT) -> GridWeight | None:
         return None
     tiles = n // LANES
     values = weight.detach()
+    if kind == BF16_DOT:
+        halves = values.bfloat16().view(torch.int16).to(torch.int32) & 0xFFFF
+        words = halves[:, 0::2] | (halves[:, 1::2] << 16)  # [n, K / 2]
+        codes = words.reshape(tiles, LANES, k // 2).transpose(1, 2).contiguous().numpy()
+        scales = np.zeros((tiles, 1, 2, LANES), dtype=np.uint16)
+        return GridWeight(kind, n, k, codes.view(np.uint32), scales)
     if kind == BF16:
         values = (values.view(torch.int32) >> 16).to(torch.int16)
     elif kind == FP16:
@@ -454,11 +477,12 @@ def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, dm: Any) ->
     fp16 times a code of at most 8 bits, so one fused multiply-add gives the same bits):
     4-bit: w[0] and w[1] from the 16 bytes codes[at:] (inputs 2p and 2p + 1); 8-bit: w[0]
     from codes[at:]; d, m: dm[0] and dm[1] (`_block_scales`). Rebuilt: w[0] is the 16 fp32
-    values codes[at:], as they are; BF16 and FP16: their 16 values widened (dm unused)."""
+    values codes[at:], as they are (BF16_DOT: its 16 words of two bf16s, bit for bit);
+    BF16 and FP16: their 16 values widened (dm unused)."""
     if not isinstance(kind, types.StringLiteral):
         return None
     affine = kind.literal_value == AFFINE4
-    rebuilt = kind.literal_value == REBUILT
+    rebuilt = kind.literal_value in (REBUILT, BF16_DOT)  # 16 words a step, as they are
     narrow = kind.literal_value if kind.literal_value in (BF16, FP16) else None
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
@@ -507,6 +531,72 @@ def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, dm: Any) ->
     return types.void(w, kind, codes, at, dm), codegen
 
 
+@intrinsic
+def _dot_pairs(typingctx: Any, acc: Any, word: Any, pairs: Any) -> Any:
+    """acc[l] += the two products of word's bf16 halves with pairs[l]'s (16 lanes l; word
+    an int32 of two bf16s, pairs 16 such words held in fp32 lanes' bits): vdpbf16ps, the
+    high halves' product added first; on a CPU without it, two fused multiply-adds in
+    that order, which differ only where it flushes a denormal to zero."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        f32 = ir.VectorType(ir.FloatType(), LANES)
+        i32 = ir.VectorType(ir.IntType(32), LANES)
+
+        def pointer(i: int, element: ir.Type) -> Any:
+            data = context.make_array(signature.args[i])(context, builder, args[i]).data
+            return builder.bitcast(data, element.as_pointer())
+
+        total = builder.load(pointer(0, f32), align=4)
+        weights = builder.bitcast(builder.load(pointer(2, f32), align=4), i32)
+        one = context.cast(builder, args[1], signature.args[1], types.int32)
+        lane0 = builder.insert_element(ir.Constant(i32, ir.Undefined), one, ir.IntType(32)(0))
+        spread = builder.shuffle_vector(
+            lane0, ir.Constant(i32, ir.Undefined), ir.Constant(i32, [0] * LANES)
+        )
+        if NATIVE_BF16_DOT:
+            # Declared with 32-bit lanes, which LLVM upgrades to its bf16 vector type.
+            function = cgutils.get_or_insert_function(
+                builder.module,
+                ir.FunctionType(f32, [f32, i32, i32]),
+                "llvm.x86.avx512bf16.dpbf16ps.512",
+            )
+            result = builder.call(function, [total, weights, spread])
+        else:
+            high = ir.Constant(i32, [0xFFFF0000] * LANES)
+            shift = ir.Constant(i32, [16] * LANES)
+            result = total
+            for part in (
+                lambda v: builder.bitcast(builder.and_(v, high), f32),
+                lambda v: builder.bitcast(builder.shl(v, shift), f32),
+            ):
+                result = fma_ir(builder, part(weights), part(spread), result)
+        builder.store(result, pointer(0, f32), align=4)
+        return context.get_dummy_value()
+
+    if not (isinstance(word, types.Integer) and isinstance(acc, types.Array)):
+        return None
+    return types.void(acc, word, pairs), codegen
+
+
+@jit(nogil=True, error_model="numpy")
+def bf16_pairs(x: np.ndarray, out: np.ndarray) -> None:
+    """out[r, p] = the bf16s of x[r, 2p] (low half) and x[r, 2p + 1] (high), each fp32
+    rounded to nearest, ties to even, as torch rounds it (a NaN stays a NaN). x: fp32 [M,
+    K]; out: int32 [M, K / 2]."""
+    bits = x.view(np.int32)
+    for r in range(x.shape[0]):
+        for p in range(out.shape[1]):
+            word = np.int32(0)
+            for h in range(2):
+                b = bits[r, 2 * p + h]
+                if (b & 0x7FFFFFFF) > 0x7F800000:  # NaN: quiet, sign kept
+                    half = ((b >> 16) | 0x40) & 0xFFFF
+                else:
+                    half = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+                word |= np.int32(half << (16 * h))
+            out[r, p] = word
+
+
 @jit(inline="always")
 def _paired_tile(group: int, b: int, half: int, tiles: int) -> int:
     """The weight tile that tile b of a group of 2 * half tiles is, where a group takes
@@ -527,8 +617,8 @@ def gemm_kernel(
     group_tiles: int = 0,
 ) -> Callable[..., None]:
     """gemm(x, r0, codes, scales, out, first, tiles, add, worker, workers): rows r0 .. r0 +
-    rows - 1 of x [M, K] times the first `tiles` tiles of the weight (a grid, or REBUILT),
-    summed in the `SumOrder` (ends, fused), into the same rows of out [M, out tiles, 16]
+    rows - 1 of x [M, K] (BF16_DOT: its bf16 pairs, int32 [M, K / 2]) times the first
+    `tiles` tiles of the weight (a grid, or on no grid), summed in the `SumOrder` (ends, fused), into the same rows of out [M, out tiles, 16]
     from its tile `first` on (add: out += the product, rounded once more, as `out += x @
     W.T` does). The worker does tile groups worker, worker + workers, ... of tiles //
     `tiles_per_group(rows)`.
@@ -539,7 +629,11 @@ def gemm_kernel(
     gate tile j into out tile `first` + j (add unused). The product itself is never
     written: each worker takes the SiLU of its own tiles while they are in registers."""
     k, parts = in_features, len(ends)
-    tb, steps = group_tiles or tiles_per_group(rows, silu), 2 if kind == AFFINE4 else 1
+    paired = kind == BF16_DOT  # x: int32 [M, K / 2], each input pair's bf16s (`bf16_pairs`)
+    if paired and (not fused or any(end % 2 for end in ends)):
+        raise ValueError(f"{BF16_DOT} GEMMs sum input pairs in fused chains, not {ends}")
+    tb = group_tiles or tiles_per_group(rows, silu)
+    steps = 2 if kind in (AFFINE4, BF16_DOT) else 1
     scaled = kind not in DENSE  # weights on no grid have no scales
     block = block_of(kind)
     blocks = k // block
@@ -551,6 +645,29 @@ def gemm_kernel(
     def tile_of(group: int, b: int, tiles: int) -> int:
         """The weight tile that tile b of a group is."""
         return _paired_tile(group, b, half, tiles) if silu else group * tb + b
+
+    @jit(inline="always")
+    def each_input(acc: np.ndarray, w: np.ndarray, x: np.ndarray, r0: int, i: int) -> None:
+        """acc[b, r] += row r0 + r of x times tile b's weights w[b] of inputs i .. i +
+        steps - 1, input by input."""
+        for h in range(steps):
+            for r in range(rows):
+                xr = x[r0 + r, i + h]
+                for b in range(tb):
+                    if fused:
+                        lanes_fma(acc[b, r], w[b, h], xr, LANES)
+                    else:
+                        lanes_mul_add(acc[b, r], w[b, h], xr, LANES)
+
+    @jit(inline="always")
+    def input_pairs(acc: np.ndarray, w: np.ndarray, x: np.ndarray, r0: int, i: int) -> None:
+        """`each_input` for BF16_DOT: inputs i and i + 1 in one dot product of bf16 pairs."""
+        for r in range(rows):
+            word = x[r0 + r, i // 2]
+            for b in range(tb):
+                _dot_pairs(acc[b, r], word, w[b, 0])
+
+    products = input_pairs if paired else each_input
 
     @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
     def gemm(
@@ -590,14 +707,7 @@ def gemm_kernel(
                     for b in range(tb):
                         at = tile_of(group, b, tiles) * code_row + i // steps * LANES
                         _dequant(w[b], kind, codes, at, dm[b])
-                    for h in range(steps):
-                        for r in range(rows):
-                            xr = x[r0 + r, i + h]
-                            for b in range(tb):
-                                if fused:
-                                    lanes_fma(acc[b, r], w[b, h], xr, LANES)
-                                else:
-                                    lanes_mul_add(acc[b, r], w[b, h], xr, LANES)
+                    products(acc, w, x, r0, i)
                 for b in range(tb):
                     for r in range(rows):
                         lanes_add(total[b, r], acc[b, r], LANES)
@@ -646,7 +756,8 @@ def gemm_all_rows(
     kind: str, in_features: int, ends: tuple[int, ...], fused: bool, silu: bool = False
 ) -> Callable[..., None]:
     """gemm(x, codes, scales, out, add, worker, workers): `gemm_kernel`'s product for every
-    row of x, summed in the `SumOrder` (ends, fused). Up to MAX_ROWS rows (`row_limits`)
+    row of x (fp32 [M, K]; a BF16_DOT kernel rounds it to bf16 first), summed in the
+    `SumOrder` (ends, fused). Up to MAX_ROWS rows (`row_limits`)
     take one pass over the weight, rebuilding each weight in registers; more rows rebuild
     a group of TILE_GROUP tiles at a time into scratch (fp32, in L2) and run SCRATCH_ROWS
     rows at a time over it, so the weight is read and rebuilt once whatever the rows.
@@ -655,7 +766,7 @@ def gemm_all_rows(
 
     silu: out [M, out_features / 32, 16] gets silu(gate) * up of the product of a [gate |
     up] weight, as `gemm_kernel` gives it."""
-    k, steps = in_features, 2 if kind == AFFINE4 else 1
+    k, steps = in_features, 2 if kind in (AFFINE4, BF16_DOT) else 1
     code_row = k // steps * LANES
     block = block_of(kind)
     blocks = k // block
@@ -666,7 +777,7 @@ def gemm_all_rows(
     # fp32 weights are already what the scratch would hold: the rows run over the weight's
     # own tiles, with no copy; a gate/up pair in two halves, its gate tiles and then its up
     # tiles (not adjacent in the weight), which costs less than copying them together.
-    in_place = kind == REBUILT
+    in_place = kind in (REBUILT, BF16_DOT)
     # Over the scratch the product itself, all TILE_GROUP tiles at once where the
     # registers hold them; with silu it goes to `product`, and `_silu_rows` makes out of
     # it (the SiLU inside this kernel, called for a few rows at a time, cost more than
@@ -674,7 +785,9 @@ def gemm_all_rows(
     scratch_tiles = TILE_GROUP if _WIDE_VECTORS else tiles_per_group(scratch_rows)
     if in_place and silu:
         scratch_tiles = min(scratch_tiles, half)
-    over_scratch = _by_rows(REBUILT, k, ends, fused, False, scratch_rows, scratch_tiles)
+    over_scratch = _by_rows(
+        kind if in_place else REBUILT, k, ends, fused, False, scratch_rows, scratch_tiles
+    )
     halves = silu and scratch_tiles <= half
     scratch_tiles_held = 0 if in_place else TILE_GROUP
 
@@ -698,9 +811,23 @@ def gemm_all_rows(
                     _dequant(w[b, i:], kind, codes, t * code_row + i // steps * LANES, dm)
         return w, 0, half
 
+    @jit(inline="always")
+    def as_given(x: np.ndarray) -> np.ndarray:
+        return x
+
+    @jit(inline="always")
+    def in_bf16_pairs(x: np.ndarray) -> np.ndarray:
+        """x's rows in bf16 pairs (`bf16_pairs`): each worker rounds them for itself, which
+        costs a tile's share of the products and needs no barrier."""
+        packed = np.empty((x.shape[0], x.shape[1] // 2), dtype=np.int32)
+        bf16_pairs(x, packed)
+        return packed
+
+    inputs = in_bf16_pairs if kind == BF16_DOT else as_given
+
     @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
     def gemm(
-        x: np.ndarray,
+        given: np.ndarray,
         codes: np.ndarray,
         scales: np.ndarray,
         out: np.ndarray,
@@ -708,6 +835,7 @@ def gemm_all_rows(
         worker: int,
         workers: int,
     ) -> None:
+        x = inputs(given)
         m, tiles = x.shape[0], out.shape[1] * (2 if silu else 1)
         if m <= most:
             one_pass(m, x, 0, codes, scales, out, 0, tiles, add, worker, workers)

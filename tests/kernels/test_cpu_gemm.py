@@ -285,6 +285,69 @@ def test_a_half_precision_checkpoints_weight_runs_from_its_16_bits(dtype) -> Non
     assert grid_gemm.narrowest(off) == grid_gemm.REBUILT
 
 
+def emulate_bf16_pairs(weight: torch.Tensor, x: torch.Tensor, order: grid_gemm.SumOrder):
+    """x @ weight.T as a BF16_DOT GEMM computes it: both rounded to bf16, and in each part
+    of the order each pair of inputs' products added to the chain, input 2p + 1's first
+    (bf16 products are exact in fp32, so each step is one rounded fp32 add)."""
+    w = weight.bfloat16().float().numpy()
+    xs = x.bfloat16().float().numpy()
+    total = np.zeros((xs.shape[0], w.shape[0]), dtype=np.float32)
+    start = 0
+    for end in order.ends:
+        acc = np.zeros_like(total)
+        for i in range(start, end, 2):
+            for j in (i + 1, i):
+                acc = acc + xs[:, j, None] * w[None, :, j]
+        total = total + acc
+        start = end
+    return torch.from_numpy(total)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_products_sum_each_pair_into_the_chain(threads) -> None:
+    """BF16_DOT: the weight rounded to bf16 and kept in pairs of inputs, each row rounded
+    to bf16 (to nearest, ties to even) as the call starts, and two products a step in the
+    order; every row the same bits whatever the call's size and the workers."""
+    generator = torch.Generator().manual_seed(21)
+    weight = torch.randn(576, 256, generator=generator) * 0.05
+    paired = grid_gemm.rebuilt(weight, grid_gemm.BF16_DOT)
+    assert paired.codes.dtype == np.uint32 and paired.codes.shape == (36, 128, 16)
+    assert torch.equal(paired.dense(), weight.bfloat16().float())
+    order = grid_gemm.SumOrder((128, 256), True)
+    x = torch.randn(max(SHARED_ROWS), 256, generator=generator)
+    x[0, :4] = torch.tensor([1 + 2.0**-8, 1 + 3 * 2.0**-8, float("inf"), -0.0])  # ties
+    expected = emulate_bf16_pairs(weight, x, order)
+    with torch_threads(threads):
+        for rows in SHARED_ROWS:
+            product = grid_gemm.grid_linear(x[:rows], paired, order)
+            if grid_gemm.NATIVE_BF16_DOT:  # vdpbf16ps flushes denormals: none arise here
+                assert torch.equal(product[1:], expected[1:rows]), rows
+                assert torch.equal(product[0].isinf(), expected[0].isinf())
+            else:
+                assert torch.equal(product, expected[:rows]), rows
+
+
+def test_bf16_pairs_round_as_torch_rounds() -> None:
+    """The rows' rounding to bf16: to nearest, ties to even, infinities and NaNs kept."""
+    edges = [1 + 2.0**-8, 1 + 3 * 2.0**-8, -(1 + 2.0**-9), 3.4e38, float("inf"), -0.0, 1e-40]
+    values = torch.tensor([*edges, float("nan"), 0.1, 0.3]).reshape(1, -1)
+    packed = np.empty((1, values.shape[1] // 2), dtype=np.int32)
+    grid_gemm.bf16_pairs(values.numpy(), packed)
+    halves = np.stack((packed & 0xFFFF, (packed >> 16) & 0xFFFF), axis=-1).reshape(1, -1)
+    ours = torch.from_numpy(halves.astype(np.int16)).view(torch.bfloat16)
+    theirs = values.bfloat16()
+    assert torch.equal(ours.isnan(), theirs.isnan())
+    keep = ~theirs.isnan()
+    assert torch.equal(ours[keep].view(torch.int16), theirs[keep].view(torch.int16))
+
+
+def test_bf16_products_take_fused_chains_of_pairs() -> None:
+    with pytest.raises(ValueError, match="input pairs in fused chains"):
+        grid_gemm.gemm_kernel(grid_gemm.BF16_DOT, 1, 256, (127, 256), True)
+    with pytest.raises(ValueError, match="input pairs in fused chains"):
+        grid_gemm.gemm_kernel(grid_gemm.BF16_DOT, 1, 256, (256,), False)
+
+
 def test_other_orders_give_other_bits() -> None:
     """The kernels sum in the order they are given: a split into parts changes the bits of
     some outputs (so the emulation above would see an order other than the fixed one)."""
@@ -345,11 +408,20 @@ def test_every_row_and_output_is_summed_once_however_the_workers_share_them(thre
             assert torch.equal(out, expected[:rows] + 1), rows
 
 
-@pytest.mark.parametrize("form", [grid_gemm.to_grid, grid_gemm.rebuilt], ids=["grid", "fp32"])
+@pytest.mark.parametrize(
+    "form",
+    [
+        grid_gemm.to_grid,
+        grid_gemm.rebuilt,
+        lambda weight: grid_gemm.rebuilt(weight, grid_gemm.BF16_DOT),
+    ],
+    ids=["grid", "fp32", "bf16-products"],
+)
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_the_gate_up_gemm_gives_silu_mul_of_its_product(threads, form) -> None:
     """A [gate | up] weight of 2 x 288 outputs (nine groups of two gate tiles and the same
-    two of up), on its grid or as fp32 tiles (whose gate and up halves run in place): with
+    two of up), on its grid or as fp32 or bf16 tiles (whose gate and up halves run in
+    place): with
     silu, each group's product goes through `layer_ops.silu_times` and out gets what
     `silu_mul` makes of the whole product, bit for bit, for every row count and however
     the workers share the groups."""

@@ -430,3 +430,48 @@ def test_tiny_models_in_bfloat16(
                 ours_err.max(),
                 theirs_err.max(),
             )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "products"),
+    [({}, True), ({"attention_bias": True, "mlp_bias": True}, False)],
+    ids=["llama", "llama-biases"],
+)
+def test_bfloat16_multiplies_in_bf16_and_keeps_the_rest_in_fp32(
+    make_tiny_model: Callable[..., Path], overrides: dict, products: bool
+) -> None:
+    """An engine asked for bf16 on a CPU with AVX512-BF16 serves a model its executor
+    implements with bf16 products in the layers' GEMMs (`grid_gemm.BF16_DOT`) and fp32
+    everywhere else, the KV cache included; one with GEMM biases stays bf16 throughout.
+    Either way the logits stay as near fp32's as transformers' bf16 logits are."""
+    from pagedinfer.kernels.cpu import grid_gemm
+    from pagedinfer.service.config import EngineConfig
+    from pagedinfer.service.engine import LLMEngine
+
+    if not torch_ops.native_bf16():
+        pytest.skip("bf16 matmul is emulated on this CPU")
+    path = make_tiny_model("llama", **overrides)
+    config = EngineConfig(
+        model=str(path),
+        dtype="bfloat16",
+        num_gpu_blocks=32,
+        max_model_len=128,
+        compile_in_background=False,
+    )
+    runner = LLMEngine(config).runner
+    products = products and cpu.bf16_products_serve(runner.loaded.config)
+    assert runner.bf16_products == products
+    assert runner.kv_caches[0][0].dtype == (torch.float32 if products else torch.bfloat16)
+    executor = runner.executor
+    if products:
+        assert executor is not None and executor.active and executor.mode == "rebuilt"
+        assert executor.fused.kinds == (grid_gemm.BF16_DOT,) * 4 + (grid_gemm.BF16,)
+    gen = torch.Generator().manual_seed(3)
+    token_lists = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (90, 7, 1)]
+    ours = our_logits(executor if executor is not None else runner.model, token_lists)
+    theirs = hf_logits(path, token_lists, torch.bfloat16)
+    exact = hf_logits(path, token_lists)
+    for a, b, e in zip(ours, theirs, exact, strict=True):
+        ours_err, theirs_err = (a - e).abs(), (b - e).abs()
+        assert ours_err.mean() < 2 * theirs_err.mean() + 0.02, (ours_err.mean(), theirs_err.mean())
+        assert ours_err.max() < 3 * theirs_err.max() + 0.05, (ours_err.max(), theirs_err.max())

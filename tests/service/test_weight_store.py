@@ -221,3 +221,24 @@ def test_a_store_broken_before_activation_leaves_the_torch_forward_serving(
     reference = LLMEngine(dataclasses.replace(config, compile_in_background=False))
     assert reference.runner.executor is not None and reference.runner.executor.active
     assert tokens == greedy(reference, prompt)
+
+
+def test_bf16_product_weights_come_back_as_their_words(tmp_path: Path) -> None:
+    """A model served with bf16 products stores its layers' BF16_DOT words and its LM
+    head's bf16 values, and reads them back bit for bit as the kernels' own kinds."""
+    generator = torch.Generator().manual_seed(5)
+    shapes = [[(192, 64), (64, 64), (256, 64), (64, 128)], [(128, 64)]]
+    layer = [
+        grid_gemm.rebuilt(torch.randn(shape, generator=generator), grid_gemm.BF16_DOT)
+        for shape in shapes[0]
+    ]
+    head = grid_gemm.rebuilt(
+        torch.randn(shapes[1][0], generator=generator).bfloat16().float(), grid_gemm.BF16
+    )
+    store = tmp_path / "grids.bin"
+    assert weight_store.save(store, ([layer], head))
+    layers, lm_head = weight_store.load(store, shapes)
+    for ours, stored in zip((*layer, head), (*layers[0], lm_head), strict=True):
+        assert stored.kind is (grid_gemm.BF16 if ours is head else grid_gemm.BF16_DOT)
+        assert stored.codes.dtype == ours.codes.dtype
+        assert torch.equal(stored.dense(), ours.dense())
