@@ -12,8 +12,9 @@ end-to-end rate all output tokens over the whole request, prompt included. llama
 Pairs (`--pairs`): `embedded` (the embedded model against its Q4_1 file); each file
 `peers/make_gguf_files.sh` makes (Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0), served by both from
 the file itself; `noisy` (an ordinary fp32 checkpoint, `peers/noisy_checkpoint.py`,
-against llama.cpp's F32 copy) and `noisy-bf16` (that checkpoint stored in bf16, as most
-are published, against the BF16 copy). `--model` and `--gguf` name one pair of your own
+against llama.cpp's F32 copy), `noisy-bf16` (that checkpoint stored in bf16, as most are
+published, against the BF16 copy) and `bf16` (the same with `--dtype bfloat16`, on CPUs
+with native bf16). `--model` and `--gguf` name one pair of your own
 instead.
 
     python benchmarks/single_request.py --json > benchmarks/results/single_request_MACHINE.json
@@ -46,6 +47,7 @@ from peers.paths import shown
 from throughput import matmul_gflops, resolve_model
 from workloads.chat import CHAT_PROMPTS, load_chat_prompts, render
 
+from pagedinfer.kernels import torch_ops
 from pagedinfer.service.config import EngineConfig
 from pagedinfer.service.engine import LLMEngine
 from pagedinfer.service.sampling_params import SamplingParams
@@ -55,7 +57,7 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_GGUF_DIR = HERE / "peers" / ".gguf"
 # The files make_gguf_files.sh makes, each served by both engines.
 MADE_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0")
-PAIRS = ("embedded", *MADE_TYPES, "noisy", "noisy-bf16")
+PAIRS = ("embedded", *MADE_TYPES, "noisy", "noisy-bf16", "bf16")
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class Pair:
     model: str
     gguf: Path | None = None
     setup: str = "bash benchmarks/peers/make_gguf_files.sh"
+    dtype: str = "float32"  # pagedinfer's --dtype
 
 
 def default_pairs(gguf_dir: Path, stem: str) -> dict[str, Pair]:
@@ -77,6 +80,7 @@ def default_pairs(gguf_dir: Path, stem: str) -> dict[str, Pair]:
         pairs[kind] = Pair(kind, str(path), path)
     pairs["noisy"] = Pair("noisy", "noisy", gguf_dir / f"{stem}.F32.gguf")
     pairs["noisy-bf16"] = Pair("noisy-bf16", "noisy-bf16", gguf_dir / f"{stem}.BF16.gguf")
+    pairs["bf16"] = Pair("bf16", "noisy-bf16", gguf_dir / f"{stem}.BF16.gguf", dtype="bfloat16")
     return pairs
 
 
@@ -139,7 +143,7 @@ def run_pagedinfer(
     engine_model, _, gguf = resolve_model(pair.model)
     config = EngineConfig(
         model=engine_model,
-        dtype="float32",
+        dtype=pair.dtype,
         num_threads=args.threads,
         max_model_len=args.max_model_len,
         kv_cache_memory=32 * 2**20,
@@ -331,6 +335,8 @@ def run_pair(pair: Pair, prompt: list[int], args: argparse.Namespace, say) -> di
     missing = [p for p in files if not p.is_file()]
     if missing:
         return {"skipped": f"no {shown(missing[0])} ({pair.setup})"}
+    if pair.dtype == "bfloat16" and not torch_ops.native_bf16():
+        return {"skipped": "this CPU has no native bf16"}
     say(f"{pair.name}: pagedinfer ...")
     ours = run_pagedinfer(pair, prompt, args, pair.name in args.profile)
     entry: dict[str, Any] = {"pagedinfer": ours}
