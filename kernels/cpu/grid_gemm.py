@@ -633,6 +633,10 @@ def gemm_kernel(
     if paired and (not fused or any(end % 2 for end in ends)):
         raise ValueError(f"{BF16_DOT} GEMMs sum input pairs in fused chains, not {ends}")
     tb = group_tiles or tiles_per_group(rows, silu)
+    if paired and not group_tiles and _WIDE_VECTORS and rows <= SCRATCH_ROWS:
+        # No scales, and one weight vector a tile for two inputs: the registers hold four
+        # tiles' accumulators for as many rows as a pass over the scratch takes.
+        tb = TILE_GROUP
     steps = 2 if kind in (AFFINE4, BF16_DOT) else 1
     scaled = kind not in DENSE  # weights on no grid have no scales
     block = block_of(kind)
