@@ -126,15 +126,6 @@ def child_compile_fits(config: EngineConfig, block_bytes: int, model: ModelConfi
     )
 
 
-def bf16_products_serve(model: torch.nn.Module, config: ModelConfig) -> bool:
-    """Whether a bf16 model is served with the CPU executor's bf16 products
-    (`cpu.bf16_products_serve`) rather than bf16 throughout."""
-    from pagedinfer.kernels import cpu
-
-    dtype = next(model.parameters()).dtype
-    return dtype == torch.bfloat16 and cpu.bf16_products_serve(config)
-
-
 def kernel_set_identity(
     config: ModelConfig, path: Path, block_size: int, dtype: torch.dtype
 ) -> str:
@@ -186,9 +177,15 @@ class ModelRunner:
         self.model = loaded.model
         self.device = device
         cfg = loaded.config
-        # bf16 on a CPU whose executor multiplies bf16 pairs: the weights' bf16 values in
-        # fp32, the layers' GEMMs in bf16 and the rest (KV cache included) in fp32.
-        self.bf16_products = device.type == "cpu" and bf16_products_serve(self.model, cfg)
+        # bf16 on a CPU whose executor multiplies bf16 pairs (`cpu.bf16_products_serve`):
+        # the weights' bf16 values in fp32, the layers' GEMMs in bf16 and the rest (KV cache
+        # included) in fp32. The kernel set is named by the dtype loaded.
+        loaded_dtype = next(self.model.parameters()).dtype
+        self.bf16_products = False
+        if device.type == "cpu" and loaded_dtype == torch.bfloat16:
+            from pagedinfer.kernels import cpu
+
+            self.bf16_products = cpu.bf16_products_serve(cfg)
         if self.bf16_products:
             self.model.float()
             self.model.reset_buffers()
@@ -204,12 +201,7 @@ class ModelRunner:
         # Where the loader deferred the dense GEMM weights (`served_from_store`), they are
         # read only if the executor does not serve after all.
         self.executor = None
-        self._kernel_set = kernel_set_identity(
-            cfg,
-            loaded.path,
-            config.block_size,
-            torch.bfloat16 if self.bf16_products else self.dtype,
-        )
+        self._kernel_set = kernel_set_identity(cfg, loaded.path, config.block_size, loaded_dtype)
         if device.type == "cpu":
             from pagedinfer.kernels import cpu
 

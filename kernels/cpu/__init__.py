@@ -19,6 +19,7 @@ from pagedinfer.kernels.cpu.compile_record import compiled_before, record_compil
 from pagedinfer.kernels.cpu.executor import (
     SUPPORTED_FEATURES,
     CpuExecutor,
+    gemm_biases,
     prepare,
     unsupported_features,
 )
@@ -36,9 +37,9 @@ def bf16_products_serve(model_config: Any) -> bool:
     GEMM bias; elsewhere bf16 runs on the matmul library's bf16 GEMMs and torch ops."""
     from pagedinfer.kernels import torch_ops
 
-    biases = model_config.attention_bias or model_config.o_proj_bias or model_config.mlp_bias
     native = bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
-    return native and torch_ops.compiled_kernels() and supports(model_config) and not biases
+    compiled = torch_ops.compiled_kernels() and supports(model_config)
+    return native and compiled and not gemm_biases(model_config)
 
 
 __all__ = [

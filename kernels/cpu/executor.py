@@ -758,8 +758,7 @@ def choose_grids(
     adds none) or a shape does not tile."""
     from pagedinfer.kernels.cpu import grid_gemm
 
-    config = model.config
-    if config.attention_bias or config.o_proj_bias or config.mlp_bias:
+    if gemm_biases(model.config):
         return None
     names = {id(p): name for name, p in model.named_parameters()}
     file_grids = getattr(model, "gguf_grids", None) or {}
@@ -771,7 +770,6 @@ def choose_grids(
         grids, sources = [], set()
         if bf16_products:
             kind = grid_gemm.BF16 if position == "lm_head" else grid_gemm.BF16_DOT
-            weights = [w.bfloat16().float() for w in weights] if kind == grid_gemm.BF16 else weights
             grids = [grid_gemm.rebuilt(w, kind) for w in weights]
             if any(g is None for g in grids):
                 return None
@@ -849,6 +847,11 @@ def warm_up_running() -> bool:
     return any(t.name == WARM_UP_THREAD and t.is_alive() for t in threading.enumerate())
 
 
+def gemm_biases(config: Any) -> bool:
+    """Whether a model config's GEMMs add biases, which the fused step does not."""
+    return bool(config.attention_bias or config.o_proj_bias or config.mlp_bias)
+
+
 def choose_mode(model: nn.Module) -> tuple[str, bool] | None:
     """Which GEMMs and whether compiled kernels serve this model on this CPU: decided by
     the weights' dtype and the CPU's features, never by timing anything. "grid" becomes
@@ -857,8 +860,7 @@ def choose_mode(model: nn.Module) -> tuple[str, bool] | None:
     dtype = model.embed_tokens.weight.dtype
     compiled = dtype == torch.float32 and torch_ops.compiled_kernels()
     config = model.config
-    biases = config.attention_bias or config.o_proj_bias or config.mlp_bias
-    if compiled and not biases:
+    if compiled and not gemm_biases(config):
         return "grid", True
     if mkl_fp32_available(dtype):
         return "mkl", compiled

@@ -228,8 +228,8 @@ def one_kind(grids: list[GridWeight]) -> list[GridWeight] | None:
 def rebuilt(weight: torch.Tensor, kind: str = REBUILT) -> GridWeight | None:
     """Any fp32 weight [out_features, in_features] in the kernels' tile layout, as already
     rebuilt weights (REBUILT: codes fp32 [tiles, K, 16]) or, with kind BF16 or FP16, as the
-    16 bits of a weight whose every value is one (`narrowest`); with BF16_DOT, rounded to
-    bf16 in pairs of inputs. Its scales are zeros, which no kernel reads. So a checkpoint
+    16 bits of a weight whose every value is one (`narrowest`; others rounded to nearest);
+    with BF16_DOT, rounded to bf16 in pairs of inputs. Its scales are zeros, which no kernel reads. So a checkpoint
     on no grid runs the same GEMMs and fused step. None where the shape does not tile."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
         return None
@@ -245,7 +245,7 @@ def rebuilt(weight: torch.Tensor, kind: str = REBUILT) -> GridWeight | None:
         scales = np.zeros((tiles, 1, 2, LANES), dtype=np.uint16)
         return GridWeight(kind, n, k, codes.view(np.uint32), scales)
     if kind == BF16:
-        values = (values.view(torch.int32) >> 16).to(torch.int16)
+        values = values.to(torch.bfloat16).view(torch.int16)
     elif kind == FP16:
         values = values.to(torch.float16).view(torch.int16)
     codes = values.reshape(tiles, LANES, k).transpose(1, 2).contiguous().numpy()
@@ -618,10 +618,10 @@ def gemm_kernel(
 ) -> Callable[..., None]:
     """gemm(x, r0, codes, scales, out, first, tiles, add, worker, workers): rows r0 .. r0 +
     rows - 1 of x [M, K] (BF16_DOT: its bf16 pairs, int32 [M, K / 2]) times the first
-    `tiles` tiles of the weight (a grid, or on no grid), summed in the `SumOrder` (ends, fused), into the same rows of out [M, out tiles, 16]
-    from its tile `first` on (add: out += the product, rounded once more, as `out += x @
-    W.T` does). The worker does tile groups worker, worker + workers, ... of tiles //
-    `tiles_per_group(rows)`.
+    `tiles` tiles of the weight (a grid, or on no grid), summed in the `SumOrder` (ends,
+    fused), into the same rows of out [M, out tiles, 16] from its tile `first` on (add:
+    out += the product, rounded once more, as `out += x @ W.T` does). The worker does
+    tile groups worker, worker + workers, ... of tiles // `tiles_per_group`.
 
     silu: the weight is [gate | up] (its first tiles / 2 tiles the gate's); each group
     takes as many tiles of the gate as of up, the same outputs of each, and out gets
@@ -632,11 +632,7 @@ def gemm_kernel(
     paired = kind == BF16_DOT  # x: int32 [M, K / 2], each input pair's bf16s (`bf16_pairs`)
     if paired and (not fused or any(end % 2 for end in ends)):
         raise ValueError(f"{BF16_DOT} GEMMs sum input pairs in fused chains, not {ends}")
-    tb = group_tiles or tiles_per_group(rows, silu)
-    if paired and not group_tiles and _WIDE_VECTORS and rows <= SCRATCH_ROWS:
-        # No scales, and one weight vector a tile for two inputs: the registers hold four
-        # tiles' accumulators for as many rows as a pass over the scratch takes.
-        tb = TILE_GROUP
+    tb = group_tiles or tiles_per_group(rows, silu, kind)
     steps = 2 if kind in (AFFINE4, BF16_DOT) else 1
     scaled = kind not in DENSE  # weights on no grid have no scales
     block = block_of(kind)
@@ -744,15 +740,17 @@ def row_limits(silu: bool = False) -> tuple[int, int]:
     return (NARROW_ROWS // 2 if silu else NARROW_ROWS), NARROW_ROWS
 
 
-def tiles_per_group(rows: int, silu: bool = False) -> int:
+def tiles_per_group(rows: int, silu: bool = False, kind: str = "") -> int:
     """Tiles one pass of `gemm_kernel` works on at once. Each tile's accumulators take
     `rows` vectors of 16 lanes: AVX-512's 32 registers hold four tiles' up to WIDE_ROWS
-    rows, two tiles' beyond; a CPU without AVX-512 holds a 16-lane vector in two of its
-    16 registers, so one tile (a SiLU kernel needs two: a gate tile and its up tile).
-    The grouping never changes a result: each output sums in its own fixed order."""
+    rows (BF16_DOT, with no scales and one weight vector a tile for two inputs: up to
+    SCRATCH_ROWS), two tiles' beyond; a CPU without AVX-512 holds a 16-lane vector in two
+    of its 16 registers, so one tile (a SiLU kernel needs two: a gate tile and its up
+    tile). The grouping never changes a result: each output sums in its own fixed order."""
     if not _WIDE_VECTORS:
         return 2 if silu else 1
-    return TILE_GROUP if rows <= WIDE_ROWS else TILE_GROUP // 2
+    widest = SCRATCH_ROWS if kind == BF16_DOT else WIDE_ROWS
+    return TILE_GROUP if rows <= widest else TILE_GROUP // 2
 
 
 @functools.cache
