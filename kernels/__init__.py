@@ -59,7 +59,8 @@ def write_kv(
 ) -> None:
     """Write the new tokens' keys and values into the paged cache, in place.
 
-    key, value: `[num_tokens, num_kv_heads, head_dim]`, the cache's dtype.
+    key, value: `[num_tokens, num_kv_heads, head_dim]`, the cache's dtype, or fp32 over a
+    bf16 cache on CPU (stored rounded to nearest bf16).
     slot_mapping: int64 (int32 accepted) `[num_tokens]`; -1 skips the token (padding).
     check_values=False skips the checks that read slot_mapping (a host sync on GPU).
     validate=False skips every check: for a caller that validated the same batch already
@@ -68,7 +69,8 @@ def write_kv(
     """
     if validate:
         check_write_kv(key, value, k_cache, v_cache, slot_mapping, check_values)
-    backend = _triton_ops() if use_triton(k_cache) else torch_ops
+    same_dtype = key.dtype == k_cache.dtype  # fp32 rows over a bf16 cache: the torch path
+    backend = _triton_ops() if use_triton(k_cache) and same_dtype else torch_ops
     backend.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
@@ -89,7 +91,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of the packed new tokens over their paged contexts; returns out.
 
-    query: `[num_tokens, num_heads, head_dim]`; sequence i owns rows
+    query: `[num_tokens, num_heads, head_dim]`, the cache's dtype (or fp32 over a bf16
+    cache on CPU: computed in fp32); sequence i owns rows
     `query_start_loc[i]:query_start_loc[i + 1]`, the last positions of its context of
     `seq_lens[i]` tokens (the new tokens' K/V already written with `write_kv`), causal
     among the new tokens. One call covers decode, prefill, chunked prefill and prefill
@@ -114,7 +117,7 @@ def paged_attention(
     if validate:
         check_paged_attention(*tensors, scale, out, check_values, sliding_window=sliding_window)
     args = (*tensors, float(scale), out)
-    if use_triton(query):
+    if use_triton(query) and query.dtype == k_cache.dtype:
         return _triton_ops().paged_attention(*args, sliding_window=sliding_window)
     return torch_ops.paged_attention(*args, plan=plan, sliding_window=sliding_window)
 

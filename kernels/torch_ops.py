@@ -58,6 +58,8 @@ def write_kv(
 ) -> None:
     """Store key/value rows at their slots; slot -1 is padding and is skipped."""
     slots = slot_mapping.long()
+    if key.dtype != k_cache.dtype:  # fp32 rows over a bf16 cache: rounded to nearest
+        key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
     keep = slots >= 0
     if not bool(keep.all()):
         slots, key, value = slots[keep], key[keep], value[keep]

@@ -29,6 +29,17 @@ def _check_tensor(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ..
         _fail(name, f"dtype {t.dtype} not supported (expected one of {list(dtypes)})")
 
 
+def _check_rows_dtype(name: str, t: torch.Tensor, cache: torch.Tensor) -> None:
+    """New tokens' rows are the cache's dtype, or fp32 over a bf16 cache on CPU (a model
+    served with bf16 products keeps bf16 K/V and computes in fp32)."""
+    mixed = t.dtype == torch.float32 and cache.dtype == torch.bfloat16
+    if t.dtype != cache.dtype and not (mixed and cache.device.type == "cpu"):
+        _fail(name, f"dtype {t.dtype} != {_CACHE_NAME[name]} dtype {cache.dtype}")
+
+
+_CACHE_NAME = {"key": "k_cache", "value": "v_cache", "query": "k_cache"}
+
+
 def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
     if t.device != device:
         _fail(name, f"is on {t.device}, but the KV cache is on {device}")
@@ -73,10 +84,8 @@ def check_write_kv(
         )
     if value.shape != key.shape:
         _fail("value", f"shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
-    if key.dtype != k_cache.dtype:
-        _fail("key", f"dtype {key.dtype} != k_cache dtype {k_cache.dtype}")
-    if value.dtype != v_cache.dtype:
-        _fail("value", f"dtype {value.dtype} != v_cache dtype {v_cache.dtype}")
+    _check_rows_dtype("key", key, k_cache)
+    _check_rows_dtype("value", value, v_cache)
     if slot_mapping.shape[0] != key.shape[0]:
         _fail("slot_mapping", f"has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
     for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
@@ -118,8 +127,7 @@ def check_paged_attention(
         _fail("query", f"head_dim {q_head_dim} != the cache's head_dim {head_dim}")
     if num_heads % num_kv_heads != 0:
         _fail("query", f"{num_heads} heads is not a multiple of the {num_kv_heads} KV heads")
-    if query.dtype != k_cache.dtype:
-        _fail("query", f"dtype {query.dtype} != k_cache dtype {k_cache.dtype}")
+    _check_rows_dtype("query", query, k_cache)
     num_seqs = seq_lens.shape[0]
     if block_tables.shape[0] != num_seqs:
         _fail("block_tables", f"has {block_tables.shape[0]} rows for {num_seqs} sequences")

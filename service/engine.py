@@ -82,8 +82,8 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
         return torch.bfloat16 if config.dtype == "auto" else getattr(torch, config.dtype)
     # bf16 matmuls are hundreds of times slower than fp32 on CPUs without native bf16,
     # and about twice as fast on those with AVX512-BF16 (the model runner then multiplies
-    # in bf16 and keeps the rest in fp32: `bf16_products_serve`): fp32 stays the default
-    # (exact against the fp32 reference), with a hint where bf16 would pay.
+    # in bf16, keeps a bf16 KV cache and the rest in fp32: `bf16_products_serve`): fp32
+    # stays the default (exact against the fp32 reference), with a hint where bf16 pays.
     native = torch_ops.native_bf16()
     if config.dtype == "auto":
         if native:

@@ -178,8 +178,8 @@ class ModelRunner:
         self.device = device
         cfg = loaded.config
         # bf16 on a CPU whose executor multiplies bf16 pairs (`cpu.bf16_products_serve`):
-        # the weights' bf16 values in fp32, the layers' GEMMs in bf16 and the rest (KV cache
-        # included) in fp32. The kernel set is named by the dtype loaded.
+        # the weights' bf16 values in fp32, the layers' GEMMs in bf16, K and V kept in a
+        # bf16 cache, and the rest in fp32. The kernel set is named by the dtype loaded.
         loaded_dtype = next(self.model.parameters()).dtype
         self.bf16_products = False
         if device.type == "cpu" and loaded_dtype == torch.bfloat16:
@@ -190,6 +190,7 @@ class ModelRunner:
             self.model.float()
             self.model.reset_buffers()
         self.dtype = next(self.model.parameters()).dtype
+        self.kv_dtype = torch.bfloat16 if self.bf16_products else self.dtype
         self.block_size = config.block_size
         # The CPU backend, where it serves this model here; until its kernels are ready
         # (compiled in the background) the model's own forward serves. Prepared before
@@ -208,7 +209,7 @@ class ModelRunner:
             cached = cpu.compiled_before(self._kernel_set)
             background = config.compile_in_background and not cached
             store = weights_store(self._kernel_set)
-            block_bytes = kv_block_bytes(loaded, config.block_size, self.dtype)
+            block_bytes = kv_block_bytes(loaded, config.block_size, self.kv_dtype)
             first = (
                 background
                 and store is not None
@@ -259,7 +260,7 @@ class ModelRunner:
         building = self.executor is not None and not self.executor.active
         self.num_blocks = num_kv_blocks(
             config,
-            kv_block_bytes(loaded, config.block_size, self.dtype),
+            kv_block_bytes(loaded, config.block_size, self.kv_dtype),
             device,
             cfg,
             self.executor.mode if building else None,
@@ -269,10 +270,10 @@ class ModelRunner:
         # Zero-filled, though every path masks the slots past a sequence's end: no slot
         # ever holds leftover memory.
         if device.type == "cpu":
-            caches = memory.zeroed_cpu_tensors(2 * cfg.num_layers, shape, self.dtype)
+            caches = memory.zeroed_cpu_tensors(2 * cfg.num_layers, shape, self.kv_dtype)
         else:
             caches = [
-                torch.zeros(shape, dtype=self.dtype, device=device)
+                torch.zeros(shape, dtype=self.kv_dtype, device=device)
                 for _ in range(2 * cfg.num_layers)
             ]
         self.kv_caches = list(zip(caches[0::2], caches[1::2], strict=True))
@@ -280,7 +281,7 @@ class ModelRunner:
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
             self.num_blocks,
             self.block_size,
-            self.num_blocks * kv_block_bytes(loaded, self.block_size, self.dtype) / 2**20,
+            self.num_blocks * kv_block_bytes(loaded, self.block_size, self.kv_dtype) / 2**20,
         )
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

@@ -32,7 +32,14 @@ import numpy as np
 import torch
 
 from pagedinfer.kernels.cpu import greedy_argmax, grid_gemm, layer_ops, paged_decode, paged_verify
-from pagedinfer.kernels.cpu.numba_support import Job, barrier, cycle_counter, jit, run_jobs
+from pagedinfer.kernels.cpu.numba_support import (
+    Job,
+    barrier,
+    cache_array,
+    cycle_counter,
+    jit,
+    run_jobs,
+)
 
 # The phases of a step, as `fused_forward` profiles them: each ends where the workers meet
 # at a barrier (the wait there is the phase's too). "start" is the first layer's norm, where
@@ -176,8 +183,8 @@ def cache_arrays(
         return known
     return CacheArrays(
         tuple((k, v) for k, v in kv_caches),
-        tuple(k.numpy() for k, _ in kv_caches),
-        tuple(v.numpy() for _, v in kv_caches),
+        tuple(cache_array(k) for k, _ in kv_caches),
+        tuple(cache_array(v) for _, v in kv_caches),
     )
 
 

@@ -55,6 +55,7 @@ from pagedinfer.kernels.cpu.layer_ops import silu_times
 from pagedinfer.kernels.cpu.numba_support import (
     FASTMATH,
     Job,
+    bf16_bits,
     fma_ir,
     int_stack_array,
     intrinsic,
@@ -588,12 +589,7 @@ def bf16_pairs(x: np.ndarray, out: np.ndarray) -> None:
         for p in range(out.shape[1]):
             word = np.int32(0)
             for h in range(2):
-                b = bits[r, 2 * p + h]
-                if (b & 0x7FFFFFFF) > 0x7F800000:  # NaN: quiet, sign kept
-                    half = ((b >> 16) | 0x40) & 0xFFFF
-                else:
-                    half = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
-                word |= np.int32(half << (16 * h))
+                word |= np.int32(bf16_bits(bits[r, 2 * p + h]) << (16 * h))
             out[r, p] = word
 
 

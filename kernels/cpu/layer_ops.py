@@ -6,7 +6,8 @@ batch sizes, where each op costs mostly its dispatch. These kernels do the same 
 three calls:
 - `rms_norm`: one pass per row, fp32 sums;
 - `rope_write_kv`: rotates q and k in place inside the q/k/v GEMM's output and copies
-  each token's k and v rows into its cache slot (slot -1: padding, skipped);
+  each token's k and v rows into its cache slot (slot -1: padding, skipped), rounded to
+  bf16 where the cache is bf16;
 - `silu_mul`: SiLU of the gate half times the up half.
 Each op costs more in a step than in a loop of its own (the GEMM before it has streamed
 the weights through the caches, and the Python around it runs cold): fewer ops is what
@@ -24,6 +25,8 @@ import torch
 
 from pagedinfer.kernels.cpu.numba_support import (
     FASTMATH,
+    as_cached,
+    cache_array,
     exp_into,
     fp32_cpu,
     jit,
@@ -74,8 +77,9 @@ def rope_write_kv(
     GEMM's output (q heads, then k heads, then v heads). cos_sin: [tokens, 2, head_dim /
     2], each token's cos and sin rows (neox style: the two halves of a head form the
     pairs). slot_mapping: int64 [tokens]. k_cache, v_cache: contiguous [num_blocks,
-    block_size, num_kv_heads, head_dim]. Raises ValueError for a strided cache (the
-    writes would land in a copy) or a slot past the cache's end.
+    block_size, num_kv_heads, head_dim], fp32 or bf16 (k and v rounded to nearest, as
+    torch rounds). Raises ValueError for a strided cache (the writes would land in a
+    copy) or a slot past the cache's end.
     """
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("rope_write_kv: k_cache and v_cache must be contiguous")
@@ -85,8 +89,8 @@ def rope_write_kv(
         qkv.numpy(),
         cos_sin.numpy(),
         slot_mapping.numpy(),
-        k_cache.numpy().reshape(shape),
-        v_cache.numpy().reshape(shape),
+        cache_array(k_cache).reshape(shape),
+        cache_array(v_cache).reshape(shape),
         num_heads,
         num_kv_heads,
     )
@@ -225,6 +229,6 @@ def rope_write_kv_rows(
         if slot >= k_rows.shape[0]:
             return t
         for j in range(width):
-            k_rows[slot, j] = qkv[t, k_start + j]
-            v_rows[slot, j] = qkv[t, v_start + j]
+            k_rows[slot, j] = as_cached(k_rows, qkv[t, k_start + j])
+            v_rows[slot, j] = as_cached(v_rows, qkv[t, v_start + j])
     return -1

@@ -40,6 +40,7 @@ import torch
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic as numba_intrinsic
+from numba.extending import overload
 from numba.np.arrayobj import make_array, populate_array
 
 # A read-only cache of kernels compiled when the image was built (the Dockerfile sets it).
@@ -85,6 +86,14 @@ _LOG2E = np.float32(1.0 / math.log(2.0))
 # its precision at large |x|, where one fp32 ln 2 would cost 4e-6 of relative error.
 _LN2_HI = np.float32(0.693359375)
 _LN2_LO = np.float32(math.log(2.0) - 0.693359375)
+
+
+def cache_array(cache: torch.Tensor) -> np.ndarray:
+    """A KV cache tensor as the compiled kernels take it: fp32 as numpy's fp32, bf16 as
+    its 16-bit patterns (uint16; numpy has no bf16), both views of the same memory."""
+    if cache.dtype == torch.bfloat16:
+        return cache.view(torch.int16).numpy().view(np.uint16)
+    return cache.numpy()
 
 
 def fp32_cpu(*tensors: torch.Tensor) -> bool:
@@ -234,7 +243,8 @@ def attention_job(
     v_cache, *tasks, scale, out) on numpy views, one task per row of tasks[0]."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     kernel = kernel_for(block_size, query.shape[1], num_kv_heads, head_dim)
-    args = (query.numpy(), k_cache.numpy(), v_cache.numpy(), *tasks, np.float32(scale), out.numpy())
+    caches = cache_array(k_cache), cache_array(v_cache)
+    args = (query.numpy(), *caches, *tasks, np.float32(scale), out.numpy())
     return Job(kernel, args, tasks[0].shape[0])
 
 
@@ -318,6 +328,93 @@ def _stack_array_of(dtype: Any, element: ir.Type, name: str) -> Any:
 # stack_array(shape): float32; int_stack_array(shape): int32 (`_stack_array_of`).
 stack_array = _stack_array_of(types.float32, ir.FloatType(), "stack_array")
 int_stack_array = _stack_array_of(types.int32, ir.IntType(32), "int_stack_array")
+
+
+# -- bf16 values as their 16-bit patterns (a bf16 KV cache) --------------------------------
+
+
+@intrinsic
+def float_bits(typingctx: Any, x: Any) -> Any:
+    """The 32 bits of fp32 x, as an int32."""
+    if not isinstance(x, types.Float):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        value = context.cast(builder, args[0], signature.args[0], types.float32)
+        return builder.bitcast(value, ir.IntType(32))
+
+    return types.int32(x), codegen
+
+
+@intrinsic
+def bits_float(typingctx: Any, bits: Any) -> Any:
+    """The fp32 whose 32 bits are the low 32 bits of the integer `bits`."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        word = context.cast(builder, args[0], signature.args[0], types.uint32)
+        return builder.bitcast(word, ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@jit(inline="always")
+def bf16_bits(bits: int) -> int:
+    """The 16 bits of the bf16 nearest the fp32 whose bits (int32) are given, ties to
+    even, as torch rounds (a NaN stays a NaN, made quiet, its sign kept)."""
+    if (bits & 0x7FFFFFFF) > 0x7F800000:
+        return ((bits >> 16) | 0x40) & 0xFFFF
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def as_cached(cache: np.ndarray, x: float) -> Any:
+    """x as a KV cache of `cache`'s type holds it: fp32 as it is; a bf16 cache (uint16,
+    `cache_array`) the bits of its nearest bf16. For compiled kernels (`overload` below);
+    from Python, the same through torch's rounding."""
+    if cache.dtype == np.uint16:
+        value = torch.tensor([x], dtype=torch.float32).bfloat16().view(torch.int16)
+        return np.uint16(int(value) & 0xFFFF)
+    return np.float32(x)
+
+
+# numba checks that an overload's typing and implementations have the same signature,
+# annotations included: these go without.
+
+
+@overload(as_cached)
+def _as_cached(cache, x):
+    if cache.dtype == types.uint16:
+        return lambda cache, x: np.uint16(bf16_bits(float_bits(np.float32(x))))
+    if cache.dtype == types.float32:
+        return lambda cache, x: np.float32(x)
+    return None
+
+
+def fp32_positions(block: np.ndarray, scratch: np.ndarray, n: int) -> np.ndarray:
+    """A KV cache block's first n positions in fp32: the block itself where the cache is
+    fp32; from a bf16 cache (uint16), widened (exactly) into `scratch` (fp32, the block's
+    shape), which is returned. For compiled kernels (`overload` below)."""
+    if block.dtype == np.uint16:
+        scratch[:n] = (block[:n].astype(np.uint32) << 16).view(np.float32)
+        return scratch
+    return block
+
+
+@overload(fp32_positions)
+def _fp32_positions(block, scratch, n):
+    if block.dtype == types.float32:
+        return lambda block, scratch, n: block
+    if block.dtype != types.uint16:
+        return None
+
+    def widen(block, scratch, n):
+        src, dst = block.reshape(block.size), scratch.reshape(scratch.size)
+        for i in range(n * (block.size // block.shape[0])):
+            dst[i] = bits_float(np.uint32(src[i]) << 16)
+        return scratch
+
+    return widen
 
 
 def _is_lanes(t: Any) -> bool:

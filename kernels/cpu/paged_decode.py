@@ -44,6 +44,7 @@ from pagedinfer.kernels.cpu.numba_support import (
     attention_job,
     exp_into,
     fp32_cpu,
+    fp32_positions,
     jit,
     lanes_add,
     lanes_copy,
@@ -73,16 +74,20 @@ def supports(
     v_cache: torch.Tensor,
     out: torch.Tensor | None = None,
 ) -> bool:
-    """Whether `decode_attention` serves these tensors: all fp32, on CPU, the caches
+    """Whether `decode_attention` serves these tensors: query and out fp32, the caches
+    both fp32 or both bf16 (read widened to fp32, exactly), all on CPU, the caches
     contiguous, none of them tracked by autograd (the kernel has no backward), head_dim a
     multiple of DOT_PARTS.
 
-    A bf16 cache stays on the torch path: where the CPU has native bf16, SDPA reads half
-    the bytes and computes in bf16, which widening to fp32 here does not beat.
+    bf16 queries stay on the torch path: where the CPU has native bf16, SDPA computes in
+    bf16, which widening to fp32 here does not beat.
     """
-    tensors = (query, k_cache, v_cache) if out is None else (query, k_cache, v_cache, out)
+    tensors = (query,) if out is None else (query, out)
     return (
         fp32_cpu(*tensors)
+        and k_cache.dtype == v_cache.dtype
+        and k_cache.dtype in (torch.float32, torch.bfloat16)
+        and all(c.device.type == "cpu" and not c.requires_grad for c in (k_cache, v_cache))
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
         and k_cache.shape[-1] % DOT_PARTS == 0
@@ -166,6 +171,9 @@ def compiled_kernel(
         row_out = stack_array((d,))
         bits = np.empty(max(slots, heads), dtype=np.int32)
         part = stack_array((DOT_PARTS,))
+        # A bf16 cache's block, widened (`fp32_positions`); unused with an fp32 cache.
+        k_wide, v_wide = stack_array((bs, num_kv_heads, d)), stack_array((bs, num_kv_heads, d))
+        per_line = 64 // k_cache.itemsize  # cache elements in one 64-byte line
         num_seqs = rows.shape[0]
         for turn in range((num_seqs + workers - 1) // workers):
             s = snake_task(turn, worker, workers)
@@ -191,10 +199,11 @@ def compiled_kernel(
                     upcoming = block_tables[s, b + 1]
                 elif following < num_seqs:
                     upcoming = block_tables[following, 0]
-                kb, vb = k_cache[block], v_cache[block]
+                kb = fp32_positions(k_cache[block], k_wide, n)
+                vb = fp32_positions(v_cache[block], v_wide, n)
                 k_next, v_next = k_cache[upcoming], v_cache[upcoming]
                 for t in range(n):
-                    for line in range(0, width, 16):  # 16 floats: one 64-byte line
+                    for line in range(0, width, per_line):
                         prefetch(k_next, t * width + line)
                     for h in range(nh):
                         kh = h // group
@@ -226,7 +235,7 @@ def compiled_kernel(
                 lanes_add(den, sums, heads)
                 lanes_copy(m, top, heads)
                 for t in range(n):
-                    for line in range(0, width, 16):
+                    for line in range(0, width, per_line):
                         prefetch(v_next, t * width + line)
                     for h in range(nh):
                         lanes_fma(acc[h], vb[t, h // group], probs[h, t], d)

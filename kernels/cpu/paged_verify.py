@@ -51,6 +51,7 @@ from pagedinfer.kernels.cpu.numba_support import (
     Job,
     attention_job,
     exp_into,
+    fp32_positions,
     jit,
     lanes_add,
     lanes_copy,
@@ -95,7 +96,7 @@ def verify_attention(
     """Attention of runs of consecutive new tokens of one sequence, into `out`.
 
     query, out: [num_tokens, num_heads, head_dim] fp32 (strided views allowed); k_cache,
-    v_cache contiguous fp32 (`paged_decode.supports` says which tensors qualify). Run i is
+    v_cache contiguous, fp32 or bf16 (`paged_decode.supports` says which tensors qualify). Run i is
     query rows rows[i] .. rows[i] + counts[i] - 1, token r of it seeing positions below
     seq_lens[i] + r through block_tables[i]; it writes those rows of out and no others.
     rows: int64 [n]; counts: int32 [n], 1 to `rows_per_run`; block_tables: int32
@@ -213,6 +214,9 @@ def compiled_kernel(
         shifted_flat = shifted.reshape(rows_needed * LANES)
         probs_flat = probs.reshape(rows_needed * LANES)
         bits = np.empty(rows_needed * LANES, dtype=np.int32)
+        # A bf16 cache's block, widened (`fp32_positions`); unused with an fp32 cache.
+        k_wide, v_wide = stack_array((bs, nkv, d)), stack_array((bs, nkv, d))
+        per_line = 64 // k_cache.itemsize  # cache elements in one 64-byte line
         length_of = np.empty(LANES, dtype=np.int64)  # lane -> its token's length
         num_runs = rows.shape[0]
         for turn in range((num_runs + workers - 1) // workers):
@@ -248,14 +252,15 @@ def compiled_kernel(
                 elif following < num_runs:
                     upcoming = block_tables[following, 0]
                 k_next, v_next = k_cache[upcoming], v_cache[upcoming]
-                kb, vb = k_cache[block], v_cache[block]
+                kb = fp32_positions(k_cache[block], k_wide, n)
+                vb = fp32_positions(v_cache[block], v_wide, n)
                 # Positions every lane sees; the rest are the run's own later tokens.
                 n_all = max(0, min(n, length - start))
                 masked = n_all < n
                 for kh in range(nkv):
                     for t in range(bs):
                         row = t * width + kh * d
-                        for line in range(row, row + d, 16):  # 16 floats: one 64-byte line
+                        for line in range(row, row + d, per_line):
                             prefetch(k_next, line)
                             prefetch(v_next, line)
                     block_scores(kb, kh, n, qt[kh], scores)

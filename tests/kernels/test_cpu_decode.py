@@ -6,6 +6,7 @@ sequence owns, so a kernel that reads past a sequence's length returns NaN.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -124,6 +125,36 @@ def test_without_a_plan_fp32_decodes_take_the_kernel_and_others_the_gather(
     bf16 = decode_batch(make_batch, [20, 40], dtype=torch.bfloat16)
     torch_ops.paged_attention(*bf16.args())
     assert calls == [1]
+
+
+def as_bf16_cache(batch):
+    """The batch with bf16 caches (NaN where it had NaN) beside fp32 queries, and the fp32
+    batch whose caches hold exactly those bf16 values."""
+    k16, v16 = batch.k_cache.bfloat16(), batch.v_cache.bfloat16()
+    widened = dataclasses.replace(batch, k_cache=k16.float(), v_cache=v16.float())
+    return dataclasses.replace(batch, k_cache=k16, v_cache=v16), widened
+
+
+@pytest.mark.parametrize("plan", ["compiled", "default"])
+def test_fp32_queries_over_a_bf16_cache_get_the_bits_of_its_values_widened(
+    make_batch: Callable, plan: str
+) -> None:
+    # A model served with bf16 products: fp32 new tokens, K/V kept in bf16. The kernel
+    # widens each block's values exactly, so the bits are those of the fp32 cache that
+    # holds them; without a plan the torch path sends the same tensors to the kernel.
+    batch = decode_batch(make_batch, EDGE_LENS, num_heads=9, num_kv_heads=3)
+    bf16, widened = as_bf16_cache(batch)
+    assert paged_decode.supports(bf16.query, bf16.k_cache, bf16.v_cache, bf16.query)
+    if plan == "compiled":
+        out, used = run_compiled(bf16)
+        assert used.groups == []
+        assert torch.equal(out, run_compiled(widened)[0])
+    else:
+        out = torch_ops.paged_attention(*bf16.args())
+        assert torch.equal(out, torch_ops.paged_attention(*widened.args()))
+    assert not out.isnan().any()
+    mixed = dataclasses.replace(bf16, v_cache=batch.v_cache)  # a bf16 K beside an fp32 V
+    assert not paged_decode.supports(mixed.query, mixed.k_cache, mixed.v_cache)
 
 
 def test_a_compiled_plan_with_tensors_it_cannot_serve_is_refused(make_batch: Callable) -> None:

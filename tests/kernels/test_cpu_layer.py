@@ -97,6 +97,28 @@ def test_rope_write_kv_does_what_rotary_and_write_kv_do(
     assert written.nonzero().flatten().tolist() == [0, 3, 17, 31]
 
 
+def test_rope_write_kv_rounds_into_a_bf16_cache_as_torch_does() -> None:
+    qkv, cos_sin, k_cache, v_cache = make_rope_batch(5, 9, 3, 64, seed=2)
+    # v (not rotated) of token 0: two ties, inf and -0; k of token 1: a NaN.
+    qkv[0, 12 * 64 : 12 * 64 + 4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, float("inf"), -0.0])
+    qkv[1, 9 * 64] = float("nan")
+    slots = torch.tensor([3, 17, -1, 31, 0])
+    fp32_qkv = qkv.clone()
+    k16, v16 = k_cache.bfloat16(), v_cache.bfloat16()
+    layer_ops.rope_write_kv(qkv, cos_sin, slots, k16, v16, 9)
+    layer_ops.rope_write_kv(fp32_qkv, cos_sin, slots, k_cache, v_cache, 9)
+    assert torch.equal(qkv.view(torch.int32), fp32_qkv.view(torch.int32))  # q: fp32 still
+    # Ties to even (1 + 2^-8 down, 1 + 3 * 2^-8 up), inf and -0 as torch rounds them; a
+    # NaN stays a NaN (torch's own NaN bits differ between its scalar and vector code).
+    for ours, fp32 in ((k16, k_cache), (v16, v_cache)):
+        nan = fp32.isnan()
+        assert torch.equal(ours.isnan(), nan)
+        assert torch.equal(ours[~nan].view(torch.int16), fp32[~nan].bfloat16().view(torch.int16))
+    written = v16[0, 3, 0, :4].view(torch.int16).tolist()  # token 0's slot 3
+    assert [w & 0xFFFF for w in written] == [0x3F80, 0x3F82, 0x7F80, 0x8000]
+    assert k16[4, 1, 0, 0].isnan()  # token 1's slot 17
+
+
 def test_rope_write_kv_refuses_a_slot_past_the_cache() -> None:
     qkv, cos_sin, k_cache, v_cache = make_rope_batch(2, 2, 1, 8)
     with pytest.raises(ValueError, match="slot_mapping: slot 32 of token 1"):

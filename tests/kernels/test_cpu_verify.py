@@ -7,6 +7,7 @@ sequence owns, so a run that reads past its last token's position returns NaN.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -153,6 +154,21 @@ def test_prompts_of_any_length_take_the_compiled_kernels_through_the_default_pla
     assert in_runs + len(plan.decodes.query_rows) == sum(query_lens)
     assert in_runs == int(torch_ops._tokens_in_runs(np.array(query_lens), 5).sum())
     batch.assert_matches_reference(torch_ops.paged_attention(*batch.args(), plan=plan))
+
+
+def test_runs_over_a_bf16_cache_get_the_bits_of_its_values_widened(make_batch: Callable) -> None:
+    # As `test_cpu_decode`'s bf16 test, for runs: prompts, drafts and a decode in one step.
+    query_lens = [MAX_QUERY + 1, 40, 3, 1]
+    seq_lens = [MAX_QUERY + 1, 40 + 20, 3 + 50, 77]
+    batch = make_batch(seq_lens, query_lens, num_heads=9, num_kv_heads=3, seed=4)
+    k16, v16 = batch.k_cache.bfloat16(), batch.v_cache.bfloat16()
+    bf16 = dataclasses.replace(batch, k_cache=k16, v_cache=v16)
+    widened = dataclasses.replace(batch, k_cache=k16.float(), v_cache=v16.float())
+    plan = default_plan(bf16)
+    assert plan.groups == [] and int(plan.runs.counts.sum()) > 0
+    out = torch_ops.paged_attention(*bf16.args(), plan=plan)
+    assert torch.equal(out, torch_ops.paged_attention(*widened.args(), plan=default_plan(widened)))
+    assert not out.isnan().any()
 
 
 @SHAPES

@@ -60,3 +60,22 @@ def test_all_padding_and_no_tokens_write_nothing(backend: ModuleType) -> None:
         slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=DEVICE)
         backend.write_kv(key, key, k_cache, v_cache, slots)
         assert k_cache.isnan().all() and v_cache.isnan().all()
+
+
+def test_fp32_rows_round_into_a_bf16_cache_on_the_torch_path() -> None:
+    # A model served with bf16 products writes fp32 K/V into a bf16 cache (CPU only).
+    from pagedinfer import kernels
+    from pagedinfer.kernels import torch_ops
+
+    k_cache, v_cache = nan_cache(16, torch.bfloat16)
+    key = torch.randn(4, 3, 64)
+    value = torch.randn(4, 3, 64)
+    slots = torch.tensor([5, -1, 40, 0])
+    kernels.write_kv(key, value, k_cache, v_cache, slots)
+    expected_k, expected_v = nan_cache(16, torch.bfloat16)
+    torch_ops.write_kv(key.bfloat16(), value.bfloat16(), expected_k, expected_v, slots)
+    assert torch.equal(k_cache.nan_to_num(7.0), expected_k.nan_to_num(7.0))
+    assert torch.equal(v_cache.nan_to_num(7.0), expected_v.nan_to_num(7.0))
+    fp32_k, fp32_v = nan_cache(16, torch.float32)
+    with pytest.raises(ValueError, match=r"key: dtype torch\.bfloat16 != k_cache dtype"):
+        kernels.write_kv(key.bfloat16(), value.bfloat16(), fp32_k, fp32_v, slots)

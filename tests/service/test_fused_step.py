@@ -108,9 +108,12 @@ def executor() -> CpuExecutor:
     return grid_executor(grid_model())
 
 
-def prefilled(executor: CpuExecutor, lengths: list[int], room: int = 16) -> PagedCache:
-    """A cache holding a prompt of each length, with room for `room` more tokens each."""
-    cache = PagedCache(executor.config, len(lengths), max(lengths) + room, seed=3)
+def prefilled(
+    executor: CpuExecutor, lengths: list[int], room: int = 16, dtype: torch.dtype = torch.float32
+) -> PagedCache:
+    """A cache of `dtype` holding a prompt of each length, with room for `room` more
+    tokens each."""
+    cache = PagedCache(executor.config, len(lengths), max(lengths) + room, seed=3, dtype=dtype)
     gen = torch.Generator().manual_seed(5)
     vocab = executor.config.vocab_size
     prompts = [
@@ -204,6 +207,31 @@ def test_the_fused_step_gives_the_layered_logits_and_cache(
         assert_fused_matches_layered(executor, base, chunks)
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("new_tokens", [[1, 1, 1], [5, 1, 3], [40, 1]], ids=str)
+def test_bf16_products_over_a_bf16_cache_give_the_layered_logits_and_cache(
+    new_tokens: list[int],
+) -> None:
+    """A model served with bf16 products (`--dtype bfloat16`) keeps K and V in a bf16
+    cache: the fused step and the layer-by-layer path round and read them alike."""
+    model = grid_model(seed=1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.bfloat16().float())
+    executor = cpu.prepare(model, BLOCK_SIZE, bf16_products=True)
+    assert executor is not None and executor.fused is not None
+    assert executor.fused.kinds[:4] == (grid_gemm.BF16_DOT,) * 4
+    lengths = [20, 47, 33][: len(new_tokens)]
+    base = prefilled(executor, lengths, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(sum(new_tokens))
+    chunks = [
+        (s, torch.randint(0, 512, (n,), generator=gen).tolist(), lengths[s])
+        for s, n in enumerate(new_tokens)
+    ]
+    assert_fused_matches_layered(executor, base, chunks)
+    logits = run(base.copy(), executor, chunks, fused=True)
+    assert logits.isfinite().all()
 
 
 @pytest.mark.parametrize("threads", [1, 2])

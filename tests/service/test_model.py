@@ -43,12 +43,14 @@ def model_of(runner: LlamaModel | CpuExecutor) -> LlamaModel:
 
 
 def our_logits(
-    runner: LlamaModel | CpuExecutor, token_lists: list[list[int]]
+    runner: LlamaModel | CpuExecutor,
+    token_lists: list[list[int]],
+    cache_dtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
     """All prompts packed into one flat batch, one prefill each, through the model's own
-    forward or a CPU executor."""
+    forward or a CPU executor, over a KV cache of the model's dtype or `cache_dtype`."""
     model = model_of(runner)
-    dtype = model.embed_tokens.weight.dtype
+    dtype = cache_dtype or model.embed_tokens.weight.dtype
     cache = PagedCache(model.config, len(token_lists), max(map(len, token_lists)), dtype=dtype)
     return cache.step(runner, [(i, t, 0) for i, t in enumerate(token_lists)])
 
@@ -441,9 +443,11 @@ def test_bfloat16_multiplies_in_bf16_and_keeps_the_rest_in_fp32(
     make_tiny_model: Callable[..., Path], overrides: dict, products: bool
 ) -> None:
     """An engine asked for bf16 on a CPU with AVX512-BF16 serves a model its executor
-    implements with bf16 products in the layers' GEMMs (`grid_gemm.BF16_DOT`) and fp32
-    everywhere else, the KV cache included; one with GEMM biases stays bf16 throughout.
-    Either way the logits stay as near fp32's as transformers' bf16 logits are."""
+    implements with bf16 products in the layers' GEMMs (`grid_gemm.BF16_DOT`), K and V
+    in a bf16 cache and fp32 everywhere else; one with GEMM biases stays bf16 throughout.
+    Either way the logits stay as near fp32's as transformers' bf16 logits are, as do
+    those of the model's own forward in fp32 over a bf16 cache (what serves while the
+    kernels compile)."""
     from pagedinfer.kernels.cpu import grid_gemm
     from pagedinfer.service.config import EngineConfig
     from pagedinfer.service.engine import LLMEngine
@@ -461,17 +465,30 @@ def test_bfloat16_multiplies_in_bf16_and_keeps_the_rest_in_fp32(
     runner = LLMEngine(config).runner
     products = products and cpu.bf16_products_serve(runner.loaded.config)
     assert runner.bf16_products == products
-    assert runner.kv_caches[0][0].dtype == (torch.float32 if products else torch.bfloat16)
+    assert runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert runner.model.embed_tokens.weight.dtype == (torch.float32 if products else torch.bfloat16)
     executor = runner.executor
     if products:
         assert executor is not None and executor.active and executor.mode == "rebuilt"
         assert executor.fused.kinds == (grid_gemm.BF16_DOT,) * 4 + (grid_gemm.BF16,)
     gen = torch.Generator().manual_seed(3)
     token_lists = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (90, 7, 1)]
-    ours = our_logits(executor if executor is not None else runner.model, token_lists)
     theirs = hf_logits(path, token_lists, torch.bfloat16)
     exact = hf_logits(path, token_lists)
-    for a, b, e in zip(ours, theirs, exact, strict=True):
-        ours_err, theirs_err = (a - e).abs(), (b - e).abs()
-        assert ours_err.mean() < 2 * theirs_err.mean() + 0.02, (ours_err.mean(), theirs_err.mean())
-        assert ours_err.max() < 3 * theirs_err.max() + 0.05, (ours_err.max(), theirs_err.max())
+    runners = [executor if executor is not None else runner.model]
+    if products:  # the executor holds the GEMM weights now: a model of the model's own
+        fp32_forward = load_model(str(path), torch.device("cpu"), torch.bfloat16).model.float()
+        fp32_forward.reset_buffers()
+        runners.append(fp32_forward)
+    for served in runners:
+        ours = our_logits(served, token_lists, runner.kv_dtype)
+        for a, b, e in zip(ours, theirs, exact, strict=True):
+            ours_err, theirs_err = (a - e).abs(), (b - e).abs()
+            assert ours_err.mean() < 2 * theirs_err.mean() + 0.02, (
+                ours_err.mean(),
+                theirs_err.mean(),
+            )
+            assert ours_err.max() < 3 * theirs_err.max() + 0.05, (
+                ours_err.max(),
+                theirs_err.max(),
+            )
