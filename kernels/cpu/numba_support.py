@@ -1,5 +1,6 @@
 """What the numba-compiled CPU kernels share: the jit decorator, fast-math flags, an exp,
-a prefetch hint, stack arrays, exact whole-vector lane ops, and the worker threads.
+a prefetch hint, stack arrays, bf16 values as 16 bits (a bf16 KV cache), exact
+whole-vector lane ops, and the worker threads.
 
 Importing this module imports numba; the kernel modules that use it are imported only
 where numba is installed (the CPU executor's and `torch_ops`' compiled paths).
@@ -393,7 +394,7 @@ def _as_cached(cache, x):
 
 def fp32_positions(block: np.ndarray, scratch: np.ndarray, n: int) -> np.ndarray:
     """A KV cache block's first n positions in fp32: the block itself where the cache is
-    fp32; from a bf16 cache (uint16), widened (exactly) into `scratch` (fp32, the block's
+    fp32; from a bf16 cache (uint16), widened exactly into `scratch` (fp32, the block's
     shape), which is returned. For compiled kernels (`overload` below)."""
     if block.dtype == np.uint16:
         scratch[:n] = (block[:n].astype(np.uint32) << 16).view(np.float32)
@@ -417,24 +418,26 @@ def _fp32_positions(block, scratch, n):
     return widen
 
 
-def _is_lanes(t: Any) -> bool:
-    return (
-        isinstance(t, types.Array) and t.dtype == types.float32 and t.ndim == 1 and t.layout == "C"
-    )
+def _is_lanes(t: Any, dtype: Any = types.float32) -> bool:
+    return isinstance(t, types.Array) and t.dtype == dtype and t.ndim == 1 and t.layout == "C"
 
 
 def _lane_op(args: tuple[Any, ...], combine: Callable[..., Any]) -> Any:
     """Typing and code of `y[:width] = combine(y, operands...)` as one LLVM vector operation.
 
     args: (y, operands..., width). y is a 1-D C-contiguous float32 array; each operand is
-    one too (its first `width` elements) or a float scalar (the same in every lane); width
-    is an integer constant. Nothing is bounds-checked.
+    one too (its first `width` elements), or such an array of bf16 bits (uint16, as a bf16
+    KV cache holds them: widened exactly in registers), or a float scalar (the same in
+    every lane); width is an integer constant. Nothing is bounds-checked.
     """
     y, *operands, width = args
     if not (
         isinstance(width, types.IntegerLiteral)
         and _is_lanes(y)
-        and all(_is_lanes(a) or isinstance(a, types.Float) for a in operands)
+        and all(
+            _is_lanes(a) or _is_lanes(a, types.uint16) or isinstance(a, types.Float)
+            for a in operands
+        )
     ):
         return None
     w = width.literal_value
@@ -450,11 +453,16 @@ def _lane_op(args: tuple[Any, ...], combine: Callable[..., Any]) -> Any:
                 )
                 zeros = ir.Constant(ir.VectorType(ir.IntType(32), w), [0] * w)
                 return builder.shuffle_vector(lane0, ir.Constant(vector, ir.Undefined), zeros)
+            if signature.args[i].dtype == types.uint16:  # bf16 bits: the high half of fp32
+                halves = builder.load(pointer(i, ir.VectorType(ir.IntType(16), w)), align=2)
+                words = builder.zext(halves, ir.VectorType(ir.IntType(32), w))
+                shift = ir.Constant(words.type, [16] * w)
+                return builder.bitcast(builder.shl(words, shift), vector)
             return builder.load(pointer(i), align=4)
 
-        def pointer(i: int) -> Any:
+        def pointer(i: int, of: Any = vector) -> Any:
             data = context.make_array(signature.args[i])(context, builder, cargs[i]).data
-            return builder.bitcast(data, vector.as_pointer())
+            return builder.bitcast(data, of.as_pointer())
 
         values = [lanes(i) for i in range(1 + len(operands))]
         builder.store(combine(builder, *values), pointer(0), align=4)

@@ -44,7 +44,6 @@ from pagedinfer.kernels.cpu.numba_support import (
     attention_job,
     exp_into,
     fp32_cpu,
-    fp32_positions,
     jit,
     lanes_add,
     lanes_copy,
@@ -171,8 +170,6 @@ def compiled_kernel(
         row_out = stack_array((d,))
         bits = np.empty(max(slots, heads), dtype=np.int32)
         part = stack_array((DOT_PARTS,))
-        # A bf16 cache's block, widened (`fp32_positions`); unused with an fp32 cache.
-        k_wide, v_wide = stack_array((bs, num_kv_heads, d)), stack_array((bs, num_kv_heads, d))
         per_line = 64 // k_cache.itemsize  # cache elements in one 64-byte line
         num_seqs = rows.shape[0]
         for turn in range((num_seqs + workers - 1) // workers):
@@ -199,8 +196,8 @@ def compiled_kernel(
                     upcoming = block_tables[s, b + 1]
                 elif following < num_seqs:
                     upcoming = block_tables[following, 0]
-                kb = fp32_positions(k_cache[block], k_wide, n)
-                vb = fp32_positions(v_cache[block], v_wide, n)
+                # A bf16 cache's values are widened to fp32 as the lane ops load them.
+                kb, vb = k_cache[block], v_cache[block]
                 k_next, v_next = k_cache[upcoming], v_cache[upcoming]
                 for t in range(n):
                     for line in range(0, width, per_line):
