@@ -96,9 +96,10 @@ def verify_attention(
     """Attention of runs of consecutive new tokens of one sequence, into `out`.
 
     query, out: [num_tokens, num_heads, head_dim] fp32 (strided views allowed); k_cache,
-    v_cache contiguous, fp32 or bf16 (`paged_decode.supports` says which tensors qualify). Run i is
-    query rows rows[i] .. rows[i] + counts[i] - 1, token r of it seeing positions below
-    seq_lens[i] + r through block_tables[i]; it writes those rows of out and no others.
+    v_cache contiguous, fp32 or bf16 (`paged_decode.supports` says which tensors
+    qualify). Run i is query rows rows[i] .. rows[i] + counts[i] - 1, token r of it
+    seeing positions below seq_lens[i] + r through block_tables[i]; it writes those rows
+    of out and no others.
     rows: int64 [n]; counts: int32 [n], 1 to `rows_per_run`; block_tables: int32
     [n, max_blocks]; seq_lens: int32 [n], at least 1: numpy arrays built once per batch
     and shared by every layer. Nothing is bounds-checked: the rows must lie in query and
