@@ -217,15 +217,9 @@ class CpuExecutor:
             raise ValueError("the layers' grids differ in kind or shape")
         for i, layer in enumerate(model.layers):
             gemms = []
-            for position, grid in enumerate(layer_grids[i]):
+            for position in range(len(layer_grids[i])):
                 # A view of the stacked arrays: the fused step and this path share them.
-                view = grid_gemm.GridWeight(
-                    grid.kind,
-                    grid.out_features,
-                    grid.in_features,
-                    self.fused.codes[position][i],
-                    self.fused.scales[position][i],
-                )
+                view = self.fused.layer_grid(position, i)
                 gemms.append(GridGemm(view, orders[position]))
             self.layers.append(_Layer(_norms(layer), *gemms))
         self.lm_head = GridGemm(lm_head, orders[4])
@@ -376,7 +370,8 @@ class CpuExecutor:
         the weights beside the server's."""
         arrays: list[np.ndarray] = []
         if self.fused is not None:
-            arrays += [*self.fused.codes, *self.fused.scales]
+            fused = self.fused
+            arrays += [*fused.codes, *fused.scales, *fused.second_codes, *fused.second_scales]
         if self.argmax is not None:
             argmax = self.argmax
             arrays += [argmax.codes, argmax.offsets, argmax.scales, argmax.bounds]
@@ -748,8 +743,9 @@ def choose_grids(
 ) -> tuple[list[list[Any]], Any] | None:
     """Each GEMM position's weights (the four of every layer, in `linears()` order, and
     the LM head) as `grid_gemm.GridWeight`s: where every layer's weight at a position lies
-    on a grid, those grids (`weight_grid`), made one kind where they differ
-    (`grid_gemm.one_kind`), since the fused step runs one kind per position; otherwise
+    on a grid, those grids (`weight_grid`), as they are where they come in at most two
+    kinds (the fused step runs each layer in its own, `fused_step.FusedWeights`), else
+    made one kind (`grid_gemm.one_kind`); otherwise
     that position's weights in tile layout (`grid_gemm.rebuilt`), in 16 bits where every
     value of the position is a bf16 (or every one an fp16: a checkpoint stored in that
     type), else in fp32. bf16_products: every layer's GEMMs multiply in bf16
@@ -783,7 +779,8 @@ def choose_grids(
                 break
             grids.append(grid)
             sources.add(source)
-        grids = None if grids is None else grid_gemm.one_kind(grids)
+        if grids is not None and len({g.variant for g in grids}) > 2:
+            grids = grid_gemm.one_kind(grids)
         if grids is None:
             narrowest = {grid_gemm.narrowest(w) for w in weights}
             kind = narrowest.pop() if len(narrowest) == 1 else grid_gemm.REBUILT
@@ -791,7 +788,8 @@ def choose_grids(
             if any(g is None for g in grids):
                 return None
         chosen.append(grids)
-        described.append(f"{position} {grids[0].kind}" + "".join(f" {s}" for s in sorted(sources)))
+        kinds = "/".join(dict.fromkeys(g.kind for g in grids))
+        described.append(f"{position} {kinds}" + "".join(f" {s}" for s in sorted(sources)))
     log.info("GEMM grids per position: %s", ", ".join(described))
     layers = [list(layer) for layer in zip(*chosen[:4], strict=True)]
     return layers, chosen[4][0]

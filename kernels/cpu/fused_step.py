@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -80,7 +80,12 @@ PHASES = (
 @dataclass(frozen=True)
 class FusedWeights:
     """A model's weights as the fused step reads them. Layer arrays are stacked:
-    [layers, ...]; each GEMM's codes and scales as in `grid_gemm.GridWeight`."""
+    [layers, ...]; each GEMM's codes and scales as in `grid_gemm.GridWeight`.
+
+    A layer position's grids may be of two kinds across the layers (a GGUF K-quant mix
+    such as Q4_K_M's, whose ffn_down is Q6_K in some layers and Q4_K in the others):
+    each kind's layers are stacked apart, and `layer_slots` says where each layer's lie, so
+    every layer's weight is read in its own kind, with no wider copy."""
 
     norms: np.ndarray  # fp32 [layers, 2, hidden]: input and post-attention RMSNorm
     final_norm: np.ndarray  # fp32 [hidden]
@@ -95,6 +100,14 @@ class FusedWeights:
     # The LM head as `greedy_argmax` picks greedy rows' tokens from it; None: every row's
     # logits are computed.
     argmax: greedy_argmax.ArgmaxWeights | None = None
+    # Per layer position (q/k/v, o, gate/up, down): the second kind (None: one kind), and
+    # its layers' stacked codes and scales (with one kind, an empty stack of the first's).
+    second_kinds: tuple[str | None, ...] = (None,) * 4
+    second_codes: tuple[np.ndarray, ...] = ()
+    second_scales: tuple[np.ndarray, ...] = ()
+    # int64 [4, layers]: each layer's index in its position's first stack, or -1 - its
+    # index in the second.
+    layer_slots: np.ndarray = field(default_factory=lambda: np.zeros((4, 0), np.int64))
 
     @classmethod
     def stack(
@@ -109,20 +122,36 @@ class FusedWeights:
         argmax: greedy_argmax.ArgmaxWeights | None = None,
     ) -> FusedWeights | None:
         """From each layer's four grids (q/k/v, o, gate/up, down) and the order each GEMM
-        sums in (the four and the LM head); None where one GEMM's grids differ in kind or
-        shape across layers."""
-        kinds, codes, scales = [], [], []
-        for position in zip(*layers, strict=True):
+        sums in (the four and the LM head); None where one GEMM's grids differ in shape
+        across layers, or come in more than two kinds (with their arrays' types)."""
+        kinds, codes, scales, seconds, second_codes, second_scales = [], [], [], [], [], []
+        layer_slots = np.zeros((4, len(layers)), np.int64)
+        for p, position in enumerate(zip(*layers, strict=True)):
             first = position[0]
             if any(
-                (g.kind, g.out_features, g.in_features)
-                != (first.kind, first.out_features, first.in_features)
+                (g.out_features, g.in_features) != (first.out_features, first.in_features)
                 for g in position
             ):
                 return None
+            variants = list(dict.fromkeys(g.variant for g in position))
+            if len(variants) > 2:
+                return None
+            stacks: list[list[grid_gemm.GridWeight]] = [[] for _ in variants]
+            for layer, g in enumerate(position):
+                v = variants.index(g.variant)
+                layer_slots[p, layer] = len(stacks[v]) if v == 0 else -1 - len(stacks[v])
+                stacks[v].append(g)
             kinds.append(first.kind)
-            codes.append(np.stack([g.codes for g in position]))
-            scales.append(np.stack([g.scales for g in position]))
+            codes.append(np.stack([g.codes for g in stacks[0]]))
+            scales.append(np.stack([g.scales for g in stacks[0]]))
+            if len(stacks) == 2:
+                seconds.append(stacks[1][0].kind)
+                second_codes.append(np.stack([g.codes for g in stacks[1]]))
+                second_scales.append(np.stack([g.scales for g in stacks[1]]))
+            else:
+                seconds.append(None)
+                second_codes.append(codes[-1][:0])
+                second_scales.append(scales[-1][:0])
         return cls(
             norms=np.ascontiguousarray(norms, dtype=np.float32),
             final_norm=np.ascontiguousarray(final_norm, dtype=np.float32),
@@ -133,12 +162,35 @@ class FusedWeights:
             codes=(*codes, lm_head.codes),
             scales=(*scales, lm_head.scales),
             argmax=argmax,
+            second_kinds=tuple(seconds),
+            second_codes=tuple(second_codes),
+            second_scales=tuple(second_scales),
+            layer_slots=layer_slots,
         )
+
+    def layer_grid(self, position: int, layer: int) -> grid_gemm.GridWeight:
+        """One layer's weight at a layer position: a view of the stacked arrays."""
+        slot = int(self.layer_slots[position, layer])
+        kind, codes, scales = self.kinds[position], self.codes[position], self.scales[position]
+        if slot < 0:
+            slot = -1 - slot
+            kind = self.second_kinds[position]
+            codes, scales = self.second_codes[position], self.second_scales[position]
+        out_features = codes.shape[1] * grid_gemm.LANES
+        in_features = self.orders[position].ends[-1]
+        return grid_gemm.GridWeight(kind, out_features, in_features, codes[slot], scales[slot])
 
     @property
     def nbytes(self) -> int:
         """What a step reads of them: every array once."""
-        arrays = (*self.codes, *self.scales, self.norms, self.final_norm)
+        arrays = (
+            *self.codes,
+            *self.scales,
+            *self.second_codes,
+            *self.second_scales,
+            self.norms,
+            self.final_norm,
+        )
         return sum(a.nbytes for a in arrays)
 
 
@@ -270,13 +322,18 @@ def _new_setup(
     else:
         argmax_weight_args = greedy_argmax.no_args(weights.codes[4], weights.scales[4])
     return _Setup(
-        kernel=_kernel(shape, weights.kinds, weights.orders, num_layers, profiled),
+        kernel=_kernel(
+            shape, weights.kinds, weights.second_kinds, weights.orders, num_layers, profiled
+        ),
         weight_args=(
             weights.norms,
             weights.final_norm,
             np.float32(weights.eps),
             *weights.codes,
             *weights.scales,
+            *weights.second_codes,
+            *weights.second_scales,
+            weights.layer_slots,
         ),
         scratch_args=(
             np.empty((tokens, shape.hidden), np.float32),  # normed
@@ -433,12 +490,14 @@ _NO_PROFILE = np.zeros((1, len(PHASES), 2), dtype=np.int64)
 def _kernel(
     shape: StepShape,
     kinds: tuple[str, ...],
+    second_kinds: tuple[str | None, ...],
     orders: tuple[grid_gemm.SumOrder, ...],
     num_layers: int,
     profiled: bool = False,
 ) -> Callable[..., None]:
-    """The compiled step for one model shape (compiled, or loaded from the cache, on first
-    call); profiled: counting each phase's cycles into its `prof` argument."""
+    """The compiled step for one model shape and its positions' kinds (compiled, or loaded
+    from the cache, on first call); profiled: counting each phase's cycles into its `prof`
+    argument."""
     nh, nkv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
     hidden_tiles = shape.hidden // grid_gemm.LANES
     qkv_tiles = (nh + 2 * nkv) * d // grid_gemm.LANES
@@ -451,10 +510,58 @@ def _kernel(
         order = orders[i]
         return grid_gemm.gemm_all_rows(kinds[i], in_features, order.ends, order.fused, silu)
 
-    qkv_gemm = gemm(0, shape.hidden)
-    o_gemm = gemm(1, nh * d)
-    gate_up_gemm = gemm(2, shape.hidden, silu=True)  # gives silu(gate) * up
-    down_gemm = gemm(3, shape.intermediate)
+    def layer_gemm(i: int, in_features: int, silu: bool = False) -> Callable[..., None]:
+        """gemm(x, codes, scales, second_codes, second_scales, slot, out, add, worker,
+        workers): one layer's GEMM at position i, in the kind its `slot` says."""
+        first = gemm(i, in_features, silu)
+        if second_kinds[i] is None:
+
+            @jit(inline="always", nogil=True)
+            def one_kind(
+                x: np.ndarray,
+                codes: np.ndarray,
+                scales: np.ndarray,
+                second_codes: np.ndarray,
+                second_scales: np.ndarray,
+                slot: int,
+                out: np.ndarray,
+                add: bool,
+                worker: int,
+                workers: int,
+            ) -> None:
+                first(x, codes[slot], scales[slot], out, add, worker, workers)
+
+            return one_kind
+        order = orders[i]
+        second = grid_gemm.gemm_all_rows(
+            second_kinds[i], in_features, order.ends, order.fused, silu
+        )
+
+        @jit(inline="always", nogil=True)
+        def two_kinds(
+            x: np.ndarray,
+            codes: np.ndarray,
+            scales: np.ndarray,
+            second_codes: np.ndarray,
+            second_scales: np.ndarray,
+            slot: int,
+            out: np.ndarray,
+            add: bool,
+            worker: int,
+            workers: int,
+        ) -> None:
+            if slot >= 0:
+                first(x, codes[slot], scales[slot], out, add, worker, workers)
+            else:
+                j = -1 - slot
+                second(x, second_codes[j], second_scales[j], out, add, worker, workers)
+
+        return two_kinds
+
+    qkv_gemm = layer_gemm(0, shape.hidden)
+    o_gemm = layer_gemm(1, nh * d)
+    gate_up_gemm = layer_gemm(2, shape.hidden, silu=True)  # gives silu(gate) * up
+    down_gemm = layer_gemm(3, shape.intermediate)
     lm_gemm = gemm(4, shape.hidden)
     quantize, approximate, pick = greedy_argmax.phase_kernels(shape.hidden, orders[4], kinds[4])
     decode = paged_decode.compiled_kernel(shape.block_size, nh, nkv, d)
@@ -501,6 +608,15 @@ def _kernel(
         gate_up_scales: np.ndarray,
         down_scales: np.ndarray,
         lm_scales: np.ndarray,
+        qkv_codes2: np.ndarray,
+        o_codes2: np.ndarray,
+        gate_up_codes2: np.ndarray,
+        down_codes2: np.ndarray,
+        qkv_scales2: np.ndarray,
+        o_scales2: np.ndarray,
+        gate_up_scales2: np.ndarray,
+        down_scales2: np.ndarray,
+        layer_slots: np.ndarray,
         k_caches: Any,
         v_caches: Any,
         d_rows: np.ndarray,
@@ -564,7 +680,18 @@ def _kernel(
             passed, mark = end_phase(
                 sync, workers, passed, prof, worker, _START if layer == 0 else _NORM, mark
             )
-            qkv_gemm(normed, qkv_codes[layer], qkv_scales[layer], qkv_out, False, worker, workers)
+            qkv_gemm(
+                normed,
+                qkv_codes,
+                qkv_scales,
+                qkv_codes2,
+                qkv_scales2,
+                layer_slots[0, layer],
+                qkv_out,
+                False,
+                worker,
+                workers,
+            )
             passed, mark = end_phase(sync, workers, passed, prof, worker, _QKV, mark)
             cache_rows = k_cache.shape[0] * k_cache.shape[1]
             bad = rope_write_kv(
@@ -609,8 +736,11 @@ def _kernel(
                 lo, hi = n * worker // workers, n * (worker + 1) // workers
             o_gemm(
                 attn_rows[:n],
-                o_codes[layer],
-                o_scales[layer],
+                o_codes,
+                o_scales,
+                o_codes2,
+                o_scales2,
+                layer_slots[1, layer],
                 hidden_out[:n],
                 True,
                 worker,
@@ -621,8 +751,11 @@ def _kernel(
             passed, mark = end_phase(sync, workers, passed, prof, worker, _NORM, mark)
             gate_up_gemm(
                 normed[:n],
-                gate_up_codes[layer],
-                gate_up_scales[layer],
+                gate_up_codes,
+                gate_up_scales,
+                gate_up_codes2,
+                gate_up_scales2,
+                layer_slots[2, layer],
                 act_out[:n],
                 False,
                 worker,
@@ -631,8 +764,11 @@ def _kernel(
             passed, mark = end_phase(sync, workers, passed, prof, worker, _GATE_UP, mark)
             down_gemm(
                 act[:n],
-                down_codes[layer],
-                down_scales[layer],
+                down_codes,
+                down_scales,
+                down_codes2,
+                down_scales2,
+                layer_slots[3, layer],
                 hidden_out[:n],
                 True,
                 worker,

@@ -136,6 +136,11 @@ class GridWeight:
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes
 
+    @property
+    def variant(self) -> tuple[str, np.dtype, np.dtype]:
+        """What the compiled GEMM of this weight depends on: its kind and arrays' types."""
+        return self.kind, self.codes.dtype, self.scales.dtype
+
     def dense(self, tiles: int | None = None) -> torch.Tensor:
         """The fp32 weight the grid holds, or its first `tiles` tiles' rows (for checks:
         the kernels never build it)."""
@@ -191,7 +196,7 @@ def shape_supported(out_features: int, in_features: int) -> bool:
 def fine(grid: GridWeight) -> GridWeight:
     """A 4-bit or 8-bit grid as FINE8, holding the same weights (each fp16 scale and
     offset repeated for both runs of 16 of its block, in fp32): so that a GEMM position
-    whose layers mix it with FINE8 grids runs one kind (`one_kind`)."""
+    whose layers mix it with FINE8 grids and others runs one kind (`one_kind`)."""
     if grid.kind == FINE8:
         return grid
     if grid.kind not in GRIDS:
@@ -202,7 +207,8 @@ def fine(grid: GridWeight) -> GridWeight:
 
 
 def one_kind(grids: list[GridWeight]) -> list[GridWeight] | None:
-    """Grids of one GEMM position (one per layer) as grids of one kind and scale type: as
+    """Grids of one GEMM position (one per layer) as grids of one kind and scale type (for
+    a position whose layers come in more kinds than the fused step runs in one): as
     they are where they share them; where they differ, the narrowest that holds them all:
     with scales per 32 inputs throughout, AFFINE4 (all 4-bit) or SCALED8 with fp32 scales,
     else FINE8; None where one is not on a grid (its position then runs from fp32 tiles)."""

@@ -209,6 +209,22 @@ def test_the_fused_step_gives_the_layered_logits_and_cache(
         torch.set_num_threads(previous)
 
 
+def test_a_position_in_more_than_two_kinds_is_refused() -> None:
+    """The fused step runs a layer position in at most two kinds; `choose_grids` makes one
+    kind of more (`grid_gemm.one_kind`)."""
+    rng = np.random.default_rng(4)
+    weights = [on_grid(64, 64, rng, 4), on_grid(64, 64, rng, 8), on_grid(64, 64, rng, 4)]
+    grids = [grid_gemm.to_grid(w) for w in weights]
+    grids[2] = grid_gemm.fine(grids[2])
+    layers = [[g, g, g, g] for g in grids]
+    orders = [grid_gemm.fixed_order(64)] * 5
+    norms = np.ones((3, 2, 64), np.float32)
+    stack = fused_step.FusedWeights.stack
+    assert stack(layers, grids[1], orders, 8, norms, norms[0, 0], 1e-5) is None
+    two = stack(layers[:2], grids[1], orders, 8, norms[:2], norms[0, 0], 1e-5)
+    assert two is not None and two.second_kinds == (grid_gemm.SCALED8,) * 4
+
+
 @pytest.mark.parametrize("new_tokens", [[1, 1, 1], [5, 1, 3], [40, 1]], ids=str)
 def test_bf16_products_over_a_bf16_cache_give_the_layered_logits_and_cache(
     new_tokens: list[int],

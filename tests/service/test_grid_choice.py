@@ -1,5 +1,6 @@
 """The CPU executor's grids, one GEMM position at a time: a position whose weights all lie
-on grids runs from them (made one kind), any other from its fp32 tiles (rebuilt), and the
+on grids runs from them (each layer in its own kind where they come in two), any other
+from its fp32 tiles (rebuilt), and the
 fused step and the layered path agree bit for bit on such a mix; grids a GGUF file's
 blocks give are taken where they equal the model's weights, and checked, never trusted."""
 
@@ -51,18 +52,30 @@ def mixed_kinds_model() -> torch.nn.Module:
     return model
 
 
-def test_each_position_takes_one_kind_or_its_fp32_tiles() -> None:
+def test_each_position_takes_its_grids_or_its_fp32_tiles() -> None:
     """q/k/v on 4-bit grids, o on 8-bit ones, gate/up on none, down mixing 4 and 8 bits
-    across layers: (affine4, scaled8, rebuilt, scaled8 with fp32 scales) and the 8-bit LM
-    head; the fused step gives the layered logits and cache bit for bit, close to the
-    torch forward's."""
+    across layers: (affine4, scaled8, rebuilt, affine4 in layers 0 and 2 beside scaled8
+    in layer 1) and the 8-bit LM head; the fused step gives the layered logits and cache
+    bit for bit, close to the torch forward's."""
     model = mixed_kinds_model()
     reference = copy.deepcopy(model)
+    down_grids = [grid_gemm.to_grid(layer.linears()[3].weight) for layer in model.layers]
     executor = cpu.prepare(model, BLOCK_SIZE)
     assert executor is not None and executor.mode == "grid"
-    kinds = (grid_gemm.AFFINE4, grid_gemm.SCALED8, grid_gemm.REBUILT, grid_gemm.SCALED8)
-    assert executor.fused.kinds == (*kinds, grid_gemm.SCALED8)
-    assert executor.fused.scales[3].dtype == np.float32
+    fused = executor.fused
+    kinds = (grid_gemm.AFFINE4, grid_gemm.SCALED8, grid_gemm.REBUILT, grid_gemm.AFFINE4)
+    assert fused.kinds == (*kinds, grid_gemm.SCALED8)
+    assert fused.second_kinds == (None, None, None, grid_gemm.SCALED8)
+    assert fused.layer_slots[3].tolist() == [0, -1, 1]
+    for i, grid in enumerate(down_grids):  # each layer's own grid, in fp16 scales
+        view = fused.layer_grid(3, i)
+        assert view.variant == grid.variant
+        assert np.array_equal(view.codes, grid.codes)
+    # Each layer in its own kind reads fewer bytes than all in one kind that holds them.
+    one_kind = grid_gemm.one_kind(down_grids)
+    own = fused.codes[3].nbytes + fused.scales[3].nbytes
+    own += fused.second_codes[3].nbytes + fused.second_scales[3].nbytes
+    assert own < 0.8 * sum(g.nbytes for g in one_kind)
     chunks = [(0, [5], 20), (1, [1, 2, 3, 4, 5], 33)]
     assert_fused_matches_layered(executor, prefilled(executor, [20, 33]), chunks)
     cache = PagedCache(reference.config, 1, 40, seed=3)

@@ -218,7 +218,8 @@ QUANT_CONFIG = {
     "tie_word_embeddings": False,
 }
 # GGUF tensor name prefix -> type, first match wins; each plan with the grid kinds the
-# executor's positions get (q/k/v, o, gate/up, down, LM head).
+# executor's positions get (q/k/v, o, gate/up, down, LM head; "a/b": layer 0 in kind a,
+# layer 1 in kind b).
 QUANT_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     # Every 32-wide type, one kind per position: Q4_0 with Q4_1 parts (4-bit), Q5_0 and
     # Q8_0 layers (8-bit, codes -16..15 and -128..127), Q5_1 (8-bit with offsets).
@@ -244,7 +245,8 @@ QUANT_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
         ("affine4", "scaled8", "scaled8", "scaled8", "scaled8"),
     ),
     # As llama-quantize's Q4_K_M mixes them: q/k/v of Q5_0 and Q8_0 parts, down Q6_K in
-    # one layer and Q4_K in the other (both fine 8-bit grids), K-quant embeddings.
+    # one layer (fine 8-bit) and Q4_K in the other (4-bit, fp32 scales), K-quant
+    # embeddings.
     "q4_k_m_like": (
         {
             "blk.0.attn_v": "Q8_0",
@@ -255,7 +257,7 @@ QUANT_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
             "output.": "Q8_0",
             "token_embd": "Q4_K",
         },
-        ("scaled8", "scaled8", "scaled8", "fine8", "scaled8"),
+        ("scaled8", "scaled8", "scaled8", "fine8/affine4", "scaled8"),
     ),
     # Q4_K_M of a model whose rows are multiples of 256: Q4_K (4-bit codes with fp32
     # scales per 32), Q5_K (8-bit codes, fp32 scales per 32), Q6_K (fine: per 16).
@@ -271,8 +273,8 @@ QUANT_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
         },
         ("affine4", "scaled8", "affine4", "fine8", "fine8"),
     ),
-    # The other types: K-quant parts beside an fp32 layer (rebuilt), Q4_0 beside Q8_0
-    # layers (8-bit with fp32 scales), Q6_K (fine), F16 and BF16 (rebuilt), and a Q5_1
+    # The other types: K-quant parts beside an fp32 layer (rebuilt), a Q4_0 layer beside
+    # a Q8_0 one (each in its own kind), Q6_K (fine), F16 and BF16 (rebuilt), and a Q5_1
     # LM head (8-bit with offsets: no 8-bit argmax).
     "the_rest": (
         {
@@ -289,7 +291,7 @@ QUANT_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
             "blk.1.ffn_down": "Q6_K",
             "output.": "Q5_1",
         },
-        ("rebuilt", "scaled8", "rebuilt", "fine8", "scaled8"),
+        ("rebuilt", "affine4/scaled8", "rebuilt", "fine8", "scaled8"),
     ),
 }
 # The K-quants' d (and dmin) for weights of a few hundredths, from random codes and scales.
@@ -372,7 +374,7 @@ def test_quantised_gguf_file_serves_transformers_logits_from_its_blocks(
 ) -> None:
     """The file loads, serves transformers' logits of the same file, and the CPU executor's
     grids come from its blocks where their type is one (each equal to the model's weight),
-    with one kind per position or that position rebuilt."""
+    with at most two kinds per position (each layer in its own) or that position rebuilt."""
     import transformers
 
     from pagedinfer.kernels.cpu.executor import choose_grids, weight_grid
@@ -399,16 +401,16 @@ def test_quantised_gguf_file_serves_transformers_logits_from_its_blocks(
         assert "blocks" in source, name
         assert torch.equal(grid.dense(), params[name].detach()), name
     layers, lm_head = choose_grids(model)
-    kinds = tuple(g.kind for g in (*layers[0], lm_head))
-    assert kinds == QUANT_PLANS[plan_name][1]
-    assert all(tuple(g.kind for g in layer) == kinds[:4] for layer in layers)
+    kinds = [[g.kind for g in position] for position in zip(*layers, strict=True)]
+    kinds.append([lm_head.kind])
+    assert tuple("/".join(dict.fromkeys(k)) for k in kinds) == QUANT_PLANS[plan_name][1]
 
 
 def test_quantised_gguf_file_decodes_greedily_through_the_executor_as_torch_does(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The Q4_K_M-like file through the CPU executor (grids from its blocks, the down
-    projections' Q6_K and Q4_K on fine grids): the torch forward's greedy tokens."""
+    projections' Q6_K and Q4_K each in its own kind): the torch forward's greedy tokens."""
     import copy
 
     from paged_cache import BLOCK_SIZE
@@ -422,7 +424,9 @@ def test_quantised_gguf_file_decodes_greedily_through_the_executor_as_torch_does
     reference = copy.deepcopy(loaded.model)
     executor = cpu.prepare(loaded.model, BLOCK_SIZE)
     assert executor is not None and executor.active and executor.mode == "grid"
-    assert executor.fused.kinds == QUANT_PLANS["q4_k_m_like"][1]
+    plan = [kinds.split("/") for kinds in QUANT_PLANS["q4_k_m_like"][1]]
+    assert executor.fused.kinds == tuple(k[0] for k in plan)
+    assert executor.fused.second_kinds == tuple(k[1] if len(k) > 1 else None for k in plan[:4])
     prompt = torch.randint(3, 49152, (21,), generator=torch.Generator().manual_seed(2)).tolist()
     expected = greedy_tokens(reference, loaded.config, prompt, 12)
     assert greedy_tokens(executor, loaded.config, prompt, 12) == expected

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pytest
 import torch
 from paged_cache import BLOCK_SIZE, PagedCache
@@ -39,8 +40,9 @@ def test_a_second_start_reads_the_stored_grids_and_serves_the_same_logits(
     model, store = mixed_kinds_model(), tmp_path / "grids.bin"
     first = cpu.prepare(copy.deepcopy(model), BLOCK_SIZE, store=store)
     assert first is not None and store.is_file()
-    kinds = (grid_gemm.AFFINE4, grid_gemm.SCALED8, grid_gemm.REBUILT, grid_gemm.SCALED8)
+    kinds = (grid_gemm.AFFINE4, grid_gemm.SCALED8, grid_gemm.REBUILT, grid_gemm.AFFINE4)
     assert first.fused.kinds == (*kinds, grid_gemm.SCALED8)
+    assert first.fused.second_kinds == (None, None, None, grid_gemm.SCALED8)
 
     def never(*args: object) -> None:
         raise AssertionError("the grids were chosen again")
@@ -49,6 +51,8 @@ def test_a_second_start_reads_the_stored_grids_and_serves_the_same_logits(
     second = cpu.prepare(copy.deepcopy(model), BLOCK_SIZE, store=store)
     assert second is not None and second.mode == first.mode
     assert second.fused.kinds == first.fused.kinds
+    assert second.fused.second_kinds == first.fused.second_kinds
+    assert np.array_equal(second.fused.layer_slots, first.fused.layer_slots)
     assert [a.dtype for a in second.fused.scales] == [a.dtype for a in first.fused.scales]
     assert torch.equal(logits(second), logits(first))
 
