@@ -512,33 +512,17 @@ def _kernel(
 
     def layer_gemm(i: int, in_features: int, silu: bool = False) -> Callable[..., None]:
         """gemm(x, codes, scales, second_codes, second_scales, slot, out, add, worker,
-        workers): one layer's GEMM at position i, in the kind its `slot` says."""
-        first = gemm(i, in_features, silu)
-        if second_kinds[i] is None:
-
-            @jit(inline="always", nogil=True)
-            def one_kind(
-                x: np.ndarray,
-                codes: np.ndarray,
-                scales: np.ndarray,
-                second_codes: np.ndarray,
-                second_scales: np.ndarray,
-                slot: int,
-                out: np.ndarray,
-                add: bool,
-                worker: int,
-                workers: int,
-            ) -> None:
-                first(x, codes[slot], scales[slot], out, add, worker, workers)
-
-            return one_kind
-        order = orders[i]
-        second = grid_gemm.gemm_all_rows(
-            second_kinds[i], in_features, order.ends, order.fused, silu
-        )
+        workers): one layer's GEMM at position i, in the kind its `slot` says (with one
+        kind, the second branch is never taken)."""
+        first, order = gemm(i, in_features, silu), orders[i]
+        second = first
+        if second_kinds[i] is not None:
+            second = grid_gemm.gemm_all_rows(
+                second_kinds[i], in_features, order.ends, order.fused, silu
+            )
 
         @jit(inline="always", nogil=True)
-        def two_kinds(
+        def in_its_kind(
             x: np.ndarray,
             codes: np.ndarray,
             scales: np.ndarray,
@@ -556,7 +540,7 @@ def _kernel(
                 j = -1 - slot
                 second(x, second_codes[j], second_scales[j], out, add, worker, workers)
 
-        return two_kinds
+        return in_its_kind
 
     qkv_gemm = layer_gemm(0, shape.hidden)
     o_gemm = layer_gemm(1, nh * d)

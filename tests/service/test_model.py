@@ -55,6 +55,16 @@ def our_logits(
     return cache.step(runner, [(i, t, 0) for i, t in enumerate(token_lists)])
 
 
+def assert_as_near_as_theirs(
+    ours: list[torch.Tensor], theirs: list[torch.Tensor], exact: list[torch.Tensor]
+) -> None:
+    """Our logits stay as near the exact (fp32) ones as transformers' bf16 logits do."""
+    for a, b, e in zip(ours, theirs, exact, strict=True):
+        ours_err, theirs_err = (a - e).abs(), (b - e).abs()
+        assert ours_err.mean() < 2 * theirs_err.mean() + 0.02, (ours_err.mean(), theirs_err.mean())
+        assert ours_err.max() < 3 * theirs_err.max() + 0.05, (ours_err.max(), theirs_err.max())
+
+
 def assert_close(ours: list[torch.Tensor], theirs: list[torch.Tensor], atol: float) -> None:
     for a, b in zip(ours, theirs, strict=True):
         assert a.shape == b.shape
@@ -422,16 +432,7 @@ def test_tiny_models_in_bfloat16(
     theirs = hf_logits(path, token_lists, torch.bfloat16)
     exact = hf_logits(path, token_lists)
     for ours in runs:
-        for a, b, e in zip(ours, theirs, exact, strict=True):
-            ours_err, theirs_err = (a - e).abs(), (b - e).abs()
-            assert ours_err.mean() < 2 * theirs_err.mean() + 0.02, (
-                ours_err.mean(),
-                theirs_err.mean(),
-            )
-            assert ours_err.max() < 3 * theirs_err.max() + 0.05, (
-                ours_err.max(),
-                theirs_err.max(),
-            )
+        assert_as_near_as_theirs(ours, theirs, exact)
 
 
 @pytest.mark.parametrize(
@@ -481,14 +482,4 @@ def test_bfloat16_multiplies_in_bf16_and_keeps_the_rest_in_fp32(
         fp32_forward.reset_buffers()
         runners.append(fp32_forward)
     for served in runners:
-        ours = our_logits(served, token_lists, runner.kv_dtype)
-        for a, b, e in zip(ours, theirs, exact, strict=True):
-            ours_err, theirs_err = (a - e).abs(), (b - e).abs()
-            assert ours_err.mean() < 2 * theirs_err.mean() + 0.02, (
-                ours_err.mean(),
-                theirs_err.mean(),
-            )
-            assert ours_err.max() < 3 * theirs_err.max() + 0.05, (
-                ours_err.max(),
-                theirs_err.max(),
-            )
+        assert_as_near_as_theirs(our_logits(served, token_lists, runner.kv_dtype), theirs, exact)
