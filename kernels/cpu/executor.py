@@ -214,7 +214,9 @@ class CpuExecutor:
             argmax,
         )
         if self.fused is None:
-            raise ValueError("the layers' grids differ in kind or shape")
+            raise ValueError(
+                "the layers' grids differ in shape, or a position's come in more than two kinds"
+            )
         for i, layer in enumerate(model.layers):
             gemms = []
             for position in range(len(layer_grids[i])):
