@@ -154,7 +154,7 @@ def test_kernels_made_by_factories_keep_one_disk_cache_key_across_processes() ->
         "gemm = grid_gemm.gemm_all_rows('affine4', 576, (288, 576), True)\n"
         "shape = fused_step.StepShape(256, 4, 2, 64, 512, 512, 16)\n"
         "orders = tuple(grid_gemm.fixed_order(k) for k in (256, 256, 256, 512, 256))\n"
-        "step = fused_step._kernel(shape, ('affine4',) * 4 + ('scaled8',), orders, 2)\n"
+        "step = fused_step._kernel(shape, ('affine4',) * 4 + ('scaled8',), (None,) * 4, orders, 2)\n"
         "decode, verify = (m.compiled_kernel(16, 9, 3, 64) for m in (paged_decode, paged_verify))\n"
         "for kernel in (decode, verify, gemm, step):\n"
         "    cells = tuple(cell.cell_contents for cell in kernel.py_func.__closure__)\n"
