@@ -29,15 +29,12 @@ def _check_tensor(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ..
         _fail(name, f"dtype {t.dtype} not supported (expected one of {list(dtypes)})")
 
 
-def _check_rows_dtype(name: str, t: torch.Tensor, cache: torch.Tensor) -> None:
+def _check_rows_dtype(name: str, t: torch.Tensor, cache_name: str, cache: torch.Tensor) -> None:
     """New tokens' rows are the cache's dtype, or fp32 over a bf16 cache on CPU (a model
     served with bf16 products keeps bf16 K/V and computes in fp32)."""
     mixed = t.dtype == torch.float32 and cache.dtype == torch.bfloat16
     if t.dtype != cache.dtype and not (mixed and cache.device.type == "cpu"):
-        _fail(name, f"dtype {t.dtype} != {_CACHE_NAME[name]} dtype {cache.dtype}")
-
-
-_CACHE_NAME = {"key": "k_cache", "value": "v_cache", "query": "k_cache"}
+        _fail(name, f"dtype {t.dtype} != {cache_name} dtype {cache.dtype}")
 
 
 def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
@@ -84,8 +81,8 @@ def check_write_kv(
         )
     if value.shape != key.shape:
         _fail("value", f"shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
-    _check_rows_dtype("key", key, k_cache)
-    _check_rows_dtype("value", value, v_cache)
+    _check_rows_dtype("key", key, "k_cache", k_cache)
+    _check_rows_dtype("value", value, "v_cache", v_cache)
     if slot_mapping.shape[0] != key.shape[0]:
         _fail("slot_mapping", f"has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens")
     for name, t in (("key", key), ("value", value), ("slot_mapping", slot_mapping)):
@@ -127,7 +124,7 @@ def check_paged_attention(
         _fail("query", f"head_dim {q_head_dim} != the cache's head_dim {head_dim}")
     if num_heads % num_kv_heads != 0:
         _fail("query", f"{num_heads} heads is not a multiple of the {num_kv_heads} KV heads")
-    _check_rows_dtype("query", query, k_cache)
+    _check_rows_dtype("query", query, "k_cache", k_cache)
     num_seqs = seq_lens.shape[0]
     if block_tables.shape[0] != num_seqs:
         _fail("block_tables", f"has {block_tables.shape[0]} rows for {num_seqs} sequences")

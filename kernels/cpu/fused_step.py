@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -97,17 +97,17 @@ class FusedWeights:
     max_tokens: int
     codes: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
     scales: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+    # Per layer position (q/k/v, o, gate/up, down): the second kind (None: one kind), and
+    # its layers' stacked codes and scales (with one kind, an empty stack of the first's).
+    second_kinds: tuple[str | None, ...]
+    second_codes: tuple[np.ndarray, ...]
+    second_scales: tuple[np.ndarray, ...]
+    # int64 [4, layers]: each layer's index in its position's first stack, or -1 - its
+    # index in the second.
+    layer_slots: np.ndarray
     # The LM head as `greedy_argmax` picks greedy rows' tokens from it; None: every row's
     # logits are computed.
     argmax: greedy_argmax.ArgmaxWeights | None = None
-    # Per layer position (q/k/v, o, gate/up, down): the second kind (None: one kind), and
-    # its layers' stacked codes and scales (with one kind, an empty stack of the first's).
-    second_kinds: tuple[str | None, ...] = (None,) * 4
-    second_codes: tuple[np.ndarray, ...] = ()
-    second_scales: tuple[np.ndarray, ...] = ()
-    # int64 [4, layers]: each layer's index in its position's first stack, or -1 - its
-    # index in the second.
-    layer_slots: np.ndarray = field(default_factory=lambda: np.zeros((4, 0), np.int64))
 
     @classmethod
     def stack(

@@ -236,8 +236,9 @@ def rebuilt(weight: torch.Tensor, kind: str = REBUILT) -> GridWeight | None:
     """Any fp32 weight [out_features, in_features] in the kernels' tile layout, as already
     rebuilt weights (REBUILT: codes fp32 [tiles, K, 16]) or, with kind BF16 or FP16, as the
     16 bits of a weight whose every value is one (`narrowest`; others rounded to nearest);
-    with BF16_DOT, rounded to bf16 in pairs of inputs. Its scales are zeros, which no kernel reads. So a checkpoint
-    on no grid runs the same GEMMs and fused step. None where the shape does not tile."""
+    with BF16_DOT, rounded to bf16 in pairs of inputs. Its scales are zeros, which no
+    kernel reads. So a checkpoint on no grid runs the same GEMMs and fused step. None
+    where the shape does not tile."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
         return None
     n, k = weight.shape

@@ -495,6 +495,10 @@ def test_a_step_keeps_its_setup_for_the_next_step_of_its_shape_and_no_other() ->
         max_tokens=grid_gemm.GRID_MAX_ROWS,
         codes=(empty,) * 5,
         scales=(empty,) * 5,
+        second_kinds=(None,) * 4,
+        second_codes=(empty,) * 4,
+        second_scales=(empty,) * 4,
+        layer_slots=np.zeros((4, 3), np.int64),
     )
     scratch = fused_step.StepScratch()
     shape = fused_step.StepShape(256, 4, 2, 64, 512, 512, BLOCK_SIZE)
