@@ -84,6 +84,12 @@ SCRATCH_ROWS = 6
 NARROW_ROWS = 6
 TILE_GROUP = 4
 WIDE_ROWS = 3
+# Weights on no grid that the kernels read as they are (REBUILT, BF16_DOT) have no rebuild
+# to share among passes: a pass takes up to IN_PLACE_ROWS rows of two tiles (24
+# accumulators), and more rows run in passes of that many over each pair of tiles, the
+# first reading it from memory and the others from L2. The more rows the pass that reads
+# memory carries, the less of the product is left for the passes that do not.
+IN_PLACE_ROWS = 12
 # The most new tokens the fused step takes (`fused_step`); larger steps run layer by layer.
 GRID_MAX_ROWS = 512
 # Whether this CPU has 512-bit vectors (32 registers of 16 fp32 lanes), which the tile
@@ -106,6 +112,7 @@ BF16, FP16 = "bf16", "fp16"
 # starts; products summed in fp32 by AVX512-BF16's vdpbf16ps, two inputs an instruction.
 BF16_DOT = "bf16dot"
 DENSE = (REBUILT, BF16, FP16, BF16_DOT)  # the kinds of weights on no quantisation grid
+IN_PLACE = (REBUILT, BF16_DOT)  # the kinds whose codes the products read as they are
 # Whether this CPU multiplies bf16 pairs natively (vdpbf16ps); elsewhere BF16_DOT
 # kernels do the same two fused multiply-adds a pair in fp32, at half the speed.
 NATIVE_BF16_DOT = bool(llvm.get_host_cpu_features().get("avx512bf16", False))
@@ -732,15 +739,18 @@ def gemm_kernel(
     return gemm
 
 
-def row_limits(silu: bool = False) -> tuple[int, int]:
+def row_limits(silu: bool = False, kind: str = "") -> tuple[int, int]:
     """(the most rows one pass over the weight serves, the rows one pass over the rebuilt
     scratch takes) on this CPU: as many as keep every accumulator in a register, with the
-    tiles of `tiles_per_group`. MAX_ROWS and SCRATCH_ROWS with AVX-512; without it
-    NARROW_ROWS, one pass halved for a SiLU kernel's two tiles (over the scratch, the
-    SiLU comes after the product: `gemm_all_rows`)."""
-    if _WIDE_VECTORS:
-        return MAX_ROWS, SCRATCH_ROWS
-    return (NARROW_ROWS // 2 if silu else NARROW_ROWS), NARROW_ROWS
+    tiles of `tiles_per_group`. With AVX-512, MAX_ROWS and SCRATCH_ROWS, or IN_PLACE_ROWS
+    for both where the weight is read in place; without it NARROW_ROWS, one pass halved
+    for a SiLU kernel's two tiles (over the scratch, the SiLU comes after the product:
+    `gemm_all_rows`)."""
+    if not _WIDE_VECTORS:
+        return (NARROW_ROWS // 2 if silu else NARROW_ROWS), NARROW_ROWS
+    if kind in IN_PLACE:
+        return IN_PLACE_ROWS, IN_PLACE_ROWS
+    return MAX_ROWS, SCRATCH_ROWS
 
 
 def tiles_per_group(rows: int, silu: bool = False, kind: str = "") -> int:
@@ -766,8 +776,9 @@ def gemm_all_rows(
     take one pass over the weight, rebuilding each weight in registers; more rows rebuild
     a group of TILE_GROUP tiles at a time into scratch (fp32, in L2) and run SCRATCH_ROWS
     rows at a time over it, so the weight is read and rebuilt once whatever the rows.
-    Every worker takes part: a share of the tile groups, and past one pass's rows a share
-    of the rows of the groups that do not divide evenly among them.
+    Weights read in place (IN_PLACE) take IN_PLACE_ROWS rows a pass, over the weight's own
+    tiles. Every worker takes part: a share of the tile groups, and past one pass's rows a
+    share of the rows of the groups that do not divide evenly among them.
 
     silu: out [M, out_features / 32, 16] gets silu(gate) * up of the product of a [gate |
     up] weight, as `gemm_kernel` gives it."""
@@ -776,13 +787,15 @@ def gemm_all_rows(
     block = block_of(kind)
     blocks = k // block
     scaled = kind not in DENSE
-    most, scratch_rows = row_limits(silu)
+    most, scratch_rows = row_limits(silu, kind)
     one_pass = _by_rows(kind, k, ends, fused, silu, most)
     half = TILE_GROUP // 2  # with silu: a group's gate tiles, then as many of up
     # fp32 weights are already what the scratch would hold: the rows run over the weight's
-    # own tiles, with no copy; a gate/up pair in two halves, its gate tiles and then its up
-    # tiles (not adjacent in the weight), which costs less than copying them together.
-    in_place = kind in (REBUILT, BF16_DOT)
+    # own tiles, with no copy, as many tiles at once as `tiles_per_group` gives for their
+    # rows (a pass over a group then takes it a pair of tiles at a time); a gate/up pair in
+    # two halves, its gate tiles and then its up tiles (not adjacent in the weight), which
+    # costs less than copying them together.
+    in_place = kind in IN_PLACE
     # Over the scratch the product itself, all TILE_GROUP tiles at once where the
     # registers hold them; with silu it goes to `product`, and `_silu_rows` makes out of
     # it (the SiLU inside this kernel, called for a few rows at a time, cost more than
@@ -790,10 +803,12 @@ def gemm_all_rows(
     scratch_tiles = TILE_GROUP if _WIDE_VECTORS else tiles_per_group(scratch_rows)
     if in_place and silu:
         scratch_tiles = min(scratch_tiles, half)
+    elif in_place and _WIDE_VECTORS:
+        scratch_tiles = 0
     over_scratch = _by_rows(
         kind if in_place else REBUILT, k, ends, fused, False, scratch_rows, scratch_tiles
     )
-    halves = silu and scratch_tiles <= half
+    halves = silu and 0 < scratch_tiles <= half
     scratch_tiles_held = 0 if in_place else TILE_GROUP
 
     @jit(inline="always")
@@ -920,10 +935,16 @@ def _by_rows(
     group_tiles: int = 0,
 ) -> Callable[..., None]:
     """run(rows, *args): `gemm_kernel`(kind, rows, ...)(*args) for 1 <= rows <= most (at
-    most MAX_ROWS; the kernel compiled for that many rows, nothing for other counts)."""
-    k1, k2, k3, k4, k5, k6, k7, k8 = (  # past `most`, the kernel for `most` (never called)
-        gemm_kernel(kind, min(rows, most), in_features, ends, fused, silu, group_tiles)
-        for rows in range(1, MAX_ROWS + 1)
+    most IN_PLACE_ROWS; the kernel compiled for that many rows, nothing for other counts).
+    Kernels are shared with every other caller asking for the same rows and tiles."""
+
+    def kernel(rows: int) -> Callable[..., None]:
+        rows = min(rows, most)  # past `most`, the kernel for `most` (never called)
+        tiles = group_tiles or tiles_per_group(rows, silu, kind)
+        return gemm_kernel(kind, rows, in_features, ends, fused, silu, tiles)
+
+    k1, k2, k3, k4, k5, k6, k7, k8, k9, k10, k11, k12 = (
+        kernel(rows) for rows in range(1, IN_PLACE_ROWS + 1)
     )
 
     @jit(nogil=True, error_model="numpy")
@@ -931,7 +952,15 @@ def _by_rows(
         # args: (x, r0, codes, scales, out, first, tiles, add, worker, workers)
         if rows > most:
             return
-        if rows == 8:
+        if rows == 12:
+            k12(*args)
+        elif rows == 11:
+            k11(*args)
+        elif rows == 10:
+            k10(*args)
+        elif rows == 9:
+            k9(*args)
+        elif rows == 8:
             k8(*args)
         elif rows == 7:
             k7(*args)

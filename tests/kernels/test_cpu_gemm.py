@@ -191,9 +191,10 @@ def test_any_fp32_weight_in_tile_layout_carries_the_bits_of_the_fixed_order() ->
     assert grid_gemm.rebuilt(torch.randn(48, 256)) is None  # 3 tiles: not whole groups
     assert grid_gemm.rebuilt(weight.double()) is None
     order = grid_gemm.fixed_order(256)
-    x = torch.randn(grid_gemm.MAX_ROWS + 13, 256, generator=generator)
+    x = torch.randn(2 * grid_gemm.IN_PLACE_ROWS + 1, 256, generator=generator)
     expected = emulate(weight, x, order)
-    for rows in (1, grid_gemm.WIDE_ROWS + 1, grid_gemm.MAX_ROWS, len(x)):
+    in_place = grid_gemm.IN_PLACE_ROWS
+    for rows in (1, grid_gemm.WIDE_ROWS + 1, grid_gemm.MAX_ROWS, in_place, in_place + 1, len(x)):
         assert torch.equal(grid_gemm.grid_linear(x[:rows], tiles, order), expected[:rows]), rows
 
 
@@ -373,7 +374,9 @@ def test_other_orders_give_other_bits() -> None:
 # Row counts that take each way of sharing the work: four tiles at a time (up to
 # WIDE_ROWS), two (up to MAX_ROWS), and past MAX_ROWS whole groups rebuilt into scratch,
 # the groups left over shared by rows, SCRATCH_ROWS at a time and then every count of
-# rows left over (1 to SCRATCH_ROWS - 1); and each side of this CPU's `row_limits`.
+# rows left over (1 to SCRATCH_ROWS - 1); weights read in place, one pass up to
+# IN_PLACE_ROWS and passes of that many past it (three, the last of one row); and each
+# side of this CPU's `row_limits`.
 SHARED_ROWS = tuple(
     sorted(
         {
@@ -383,7 +386,9 @@ SHARED_ROWS = tuple(
             grid_gemm.MAX_ROWS,
             *range(grid_gemm.MAX_ROWS + 1, grid_gemm.MAX_ROWS + grid_gemm.SCRATCH_ROWS + 1),
             grid_gemm.MAX_ROWS + 14,
+            2 * grid_gemm.IN_PLACE_ROWS + 1,
             *(rows + 1 for rows in (*grid_gemm.row_limits(), *grid_gemm.row_limits(True))),
+            *(rows + 1 for rows in grid_gemm.row_limits(kind=grid_gemm.REBUILT)),
         }
     )
 )
