@@ -64,6 +64,7 @@ from pagedinfer.kernels.cpu.numba_support import (
     lanes_copy,
     lanes_fma,
     lanes_mul_add,
+    prefetch_all,
     run_jobs,
     stack_array,
 )
@@ -855,6 +856,7 @@ def gemm_all_rows(
         worker: int,
         workers: int,
     ) -> None:
+        prefetch_all(given)  # in the fused step, rows every worker wrote a share of
         x = inputs(given)
         m, tiles = x.shape[0], out.shape[1] * (2 if silu else 1)
         if m <= most:

@@ -37,6 +37,7 @@ from pagedinfer.kernels.cpu.numba_support import (
     lanes_mul,
     lanes_silu_times,
     lanes_sum,
+    prefetch_all,
     stack_array,
 )
 
@@ -119,6 +120,7 @@ def rms_norm_rows(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.nd
     whole = hidden - hidden % LANES  # the rest of a row goes in lanes of its own
     acc = stack_array((LANES,))
     rest = stack_array((3, LANES))  # the rest of a row, then of its weight and output
+    prefetch_all(x)  # written by every worker's GEMM tiles in the fused step
     for t in range(x.shape[0]):
         row, out_row = x[t], out[t]
         lanes_copy(acc, np.float32(0.0), LANES)
@@ -215,6 +217,7 @@ def rope_write_kv_rows(
     k_start = num_heads * head_dim
     v_start = k_start + num_kv_heads * head_dim
     width = num_kv_heads * head_dim
+    prefetch_all(qkv)  # written by every worker's GEMM tiles in the fused step
     for t in range(qkv.shape[0]):
         for h in range(num_heads + num_kv_heads):
             first = h * head_dim

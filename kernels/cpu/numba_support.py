@@ -82,6 +82,7 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 # A dict, not a set: its order (and so the kernels' disk-cache keys) is the same in every
 # process (`_stable_identity`).
 FASTMATH = {"reassoc": True, "contract": True, "nsz": True, "arcp": True}
+CACHE_LINE = 64  # bytes
 _LOG2E = np.float32(1.0 / math.log(2.0))
 # ln 2 in two parts (Cody and Waite): k * _LN2_HI is exact for the k here, so r keeps
 # its precision at large |x|, where one fp32 ln 2 would cost 4e-6 of relative error.
@@ -218,6 +219,16 @@ def prefetch(typingctx: Any, array: Any, index: Any) -> Any:
         return context.get_dummy_value()
 
     return types.void(array, index), codegen
+
+
+@jit(inline="always")
+def prefetch_all(array: np.ndarray) -> None:
+    """`prefetch` every cache line of a C-contiguous array. In the fused step a phase's
+    rows were just written by the other workers (each its own GEMM tiles or rows); asked
+    for all at once, their lines cross between cores together, where reading them in
+    order would wait for each line in turn."""
+    for i in range(0, array.size, CACHE_LINE // array.itemsize):
+        prefetch(array, i)
 
 
 @dataclass(frozen=True)
