@@ -801,15 +801,14 @@ def gemm_all_rows(
     # registers hold them; with silu it goes to `product`, and `_silu_rows` makes out of
     # it (the SiLU inside this kernel, called for a few rows at a time, cost more than
     # the product).
+    # In place, 0: the tiles `tiles_per_group` gives for each pass's rows.
     scratch_tiles = TILE_GROUP if _WIDE_VECTORS else tiles_per_group(scratch_rows)
-    if in_place and silu:
-        scratch_tiles = min(scratch_tiles, half)
-    elif in_place and _WIDE_VECTORS:
-        scratch_tiles = 0
+    if in_place:
+        scratch_tiles = min(scratch_tiles, half) if silu else 0
     over_scratch = _by_rows(
         kind if in_place else REBUILT, k, ends, fused, False, scratch_rows, scratch_tiles
     )
-    halves = silu and 0 < scratch_tiles <= half
+    halves = silu and scratch_tiles <= half
     scratch_tiles_held = 0 if in_place else TILE_GROUP
 
     @jit(inline="always")
