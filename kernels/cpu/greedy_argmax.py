@@ -49,6 +49,7 @@ from pagedinfer.kernels.cpu.numba_support import (
     lanes_copy,
     lanes_max,
     lanes_mul,
+    prefetch,
     run_jobs,
     stack_array,
 )
@@ -456,27 +457,33 @@ def phase_kernels(
         rows = words.shape[0]
         for r in range(rows):
             lanes_copy(maxima[r], -np.inf, LANES)
-        for group in range(worker, codes.shape[0] // TILES, workers):
+        groups = codes.shape[0] // TILES
+        # A worker's groups lie side by side: one stream for the hardware prefetcher.
+        first, end = groups * worker // workers, groups * (worker + 1) // workers
+        for group in range(first, end):
             t0 = group * TILES
+            # Each pass asks for the worker's next group, so that its codes arrive while
+            # this one computes; a single row computes too little to hide that wait.
+            ahead = (group + 1) * TILES if group + 1 < end and rows > 1 else t0
             r0 = 0
             while r0 + ROWS <= rows:
-                a6(words, row_scales, codes, offsets, scales, approx, maxima, r0, t0)
+                a6(words, row_scales, codes, offsets, scales, approx, maxima, r0, t0, ahead)
                 r0 += ROWS
             left = rows - r0
             if left == 5:
-                a5(words, row_scales, codes, offsets, scales, approx, maxima, r0, t0)
+                a5(words, row_scales, codes, offsets, scales, approx, maxima, r0, t0, ahead)
             elif left == 4:
-                a4(words, row_scales, codes, offsets, scales, approx, maxima, r0, t0)
+                a4(words, row_scales, codes, offsets, scales, approx, maxima, r0, t0, ahead)
             elif left == 3:
-                a3(words, row_scales, codes, offsets, scales, approx, maxima, r0, t0)
+                a3(words, row_scales, codes, offsets, scales, approx, maxima, r0, t0, ahead)
             elif left == 2:
-                a2(words, row_scales, codes, offsets, scales, approx, maxima, r0, t0)
+                a2(words, row_scales, codes, offsets, scales, approx, maxima, r0, t0, ahead)
             elif left == 1:
-                a1(words, row_scales, codes, offsets, scales, approx, maxima, r0, t0)
-        whole = codes.shape[0] // TILES * TILES
+                a1(words, row_scales, codes, offsets, scales, approx, maxima, r0, t0, ahead)
+        whole = groups * TILES
         for t0 in range(whole + worker, codes.shape[0], workers):
             for r0 in range(rows):
-                single(words, row_scales, codes, offsets, scales, approx, maxima, r0, t0)
+                single(words, row_scales, codes, offsets, scales, approx, maxima, r0, t0, t0)
 
     @jit(nogil=True, error_model="numpy")
     def pick(
@@ -569,12 +576,14 @@ def phase_kernels(
 
 
 def _approx_rows(rows: int, in_features: int, tiles: int = TILES) -> Callable[..., None]:
-    """approx(words, row_scales, codes, offsets, scales, out, maxima, r0, t0): the
+    """approx(words, row_scales, codes, offsets, scales, out, maxima, r0, t0, ahead): the
     approximate logits of rows r0 .. r0 + rows - 1 for tiles t0 .. t0 + tiles - 1: per
     block, the 32-bit sum of code products (the row's codes offset by 128, hence the
     block's offset), times d * s, summed over the blocks in fp32; maxima[r]: the largest
-    so far in each lane."""
+    so far in each lane. Each block also prefetches the same block of tiles ahead ..
+    ahead + tiles - 1."""
     words_per_block = BLOCK // 4
+    words_per_tile = in_features // 4
     blocks = in_features // BLOCK
 
     @jit(nogil=True, error_model="numpy", inline="always")
@@ -588,6 +597,7 @@ def _approx_rows(rows: int, in_features: int, tiles: int = TILES) -> Callable[..
         maxima: np.ndarray,
         r0: int,
         t0: int,
+        ahead: int,
     ) -> None:
         total = stack_array((rows, tiles, LANES))
         sums = int_stack_array((rows, tiles, LANES))
@@ -599,6 +609,9 @@ def _approx_rows(rows: int, in_features: int, tiles: int = TILES) -> Callable[..
             for r in range(rows):
                 for t in range(tiles):
                     int_lanes_copy(sums[r, t], offsets[t0 + t, b])
+            for t in range(tiles):
+                for i in range(b * words_per_block, (b + 1) * words_per_block):
+                    prefetch(codes, ((ahead + t) * words_per_tile + i) * LANES)
             for i in range(b * words_per_block, (b + 1) * words_per_block):
                 for r in range(rows):
                     word = words[r0 + r, i]
