@@ -564,6 +564,7 @@ def phase_kernels(
                         0,
                         exact_tiles,
                         False,
+                        -1,
                         0,
                         1,
                     )

@@ -64,6 +64,7 @@ from pagedinfer.kernels.cpu.numba_support import (
     lanes_copy,
     lanes_fma,
     lanes_mul_add,
+    prefetch,
     prefetch_all,
     run_jobs,
     stack_array,
@@ -627,12 +628,18 @@ def gemm_kernel(
     silu: bool = False,
     group_tiles: int = 0,
 ) -> Callable[..., None]:
-    """gemm(x, r0, codes, scales, out, first, tiles, add, worker, workers): rows r0 .. r0 +
-    rows - 1 of x [M, K] (BF16_DOT: its bf16 pairs, int32 [M, K / 2]) times the first
-    `tiles` tiles of the weight (a grid, or on no grid), summed in the `SumOrder` (ends,
-    fused), into the same rows of out [M, out tiles, 16] from its tile `first` on (add:
-    out += the product, rounded once more, as `out += x @ W.T` does). The worker does
-    tile groups worker, worker + workers, ... of tiles // `tiles_per_group`.
+    """gemm(x, r0, codes, scales, out, first, tiles, add, ahead, worker, workers): rows r0
+    .. r0 + rows - 1 of x [M, K] (BF16_DOT: its bf16 pairs, int32 [M, K / 2]) times the
+    first `tiles` tiles of the weight (a grid, or on no grid), summed in the `SumOrder`
+    (ends, fused), into the same rows of out [M, out tiles, 16] from its tile `first` on
+    (add: out += the product, rounded once more, as `out += x @ W.T` does). The worker
+    does tile groups worker, worker + workers, ... of tiles // `tiles_per_group`.
+
+    ahead (weights read in place, IN_PLACE): what each step also asks the CPU to fetch,
+    so that it arrives while this group computes: 0, the same part of the worker's next
+    group; n > 0, of the tile n tiles past each tile read; < 0, nothing. The hardware
+    prefetcher loses its stream where a worker skips to its next group, and keeps too
+    little ahead while a pass of many rows computes.
 
     silu: the weight is [gate | up] (its first tiles / 2 tiles the gate's); each group
     takes as many tiles of the gate as of up, the same outputs of each, and out gets
@@ -651,6 +658,7 @@ def gemm_kernel(
     code_row = k // steps * LANES  # codes of one tile
     half = tb // 2  # with silu: the group's gate tiles, then as many of up
     values = half * rows * LANES  # with silu: the group's outputs
+    streamed = kind in IN_PLACE
 
     @jit(inline="always")
     def tile_of(group: int, b: int, tiles: int) -> int:
@@ -690,6 +698,7 @@ def gemm_kernel(
         first: int,
         tiles: int,
         add: bool,
+        ahead: int,
         worker: int,
         workers: int,
     ) -> None:
@@ -699,7 +708,11 @@ def gemm_kernel(
         dm = stack_array((tb, 2, LANES))
         negative, decay = stack_array((values,)), stack_array((values,))
         result, bits = stack_array((half, rows, LANES)), int_stack_array((values,))
-        for group in range(worker, tiles // tb, workers):
+        groups = tiles // tb
+        for group in range(worker, groups, workers):
+            skip = ahead
+            if ahead == 0:  # the worker's next group, or none after its last
+                skip = workers * (half if silu else tb) if group + workers < groups else -1
             for b in range(tb):
                 for r in range(rows):
                     lanes_copy(total[b, r], 0.0, LANES)
@@ -718,6 +731,8 @@ def gemm_kernel(
                     for b in range(tb):
                         at = tile_of(group, b, tiles) * code_row + i // steps * LANES
                         _dequant(w[b], kind, codes, at, dm[b])
+                        if streamed and skip > 0:
+                            prefetch(codes, at + skip * code_row)
                     products(acc, w, x, r0, i)
                 for b in range(tb):
                     for r in range(rows):
@@ -859,7 +874,7 @@ def gemm_all_rows(
         x = inputs(given)
         m, tiles = x.shape[0], out.shape[1] * (2 if silu else 1)
         if m <= most:
-            one_pass(m, x, 0, codes, scales, out, 0, tiles, add, worker, workers)
+            one_pass(m, x, 0, codes, scales, out, 0, tiles, add, 0, worker, workers)
             return
         # Tasks: whole groups, while they divide evenly among the workers; each group left
         # over goes to every worker, each taking its share of the row blocks, so that no
@@ -875,27 +890,38 @@ def gemm_all_rows(
         product = np.empty((2, m if silu else 0, half, LANES), dtype=np.float32)
         whole_group = np.empty((m if silu and not halves else 0, TILE_GROUP, LANES), np.float32)
         silu_scratch = np.empty((4 if silu else 0, scratch_rows * half * LANES), np.float32)
-        for task in range(worker, whole + (groups - whole) * workers, workers):
+        tasks = whole + (groups - whole) * workers
+        for task in range(worker, tasks, workers):
             group, first_row, row_step = task, 0, scratch_rows
             if task >= whole:
                 group = whole + (task - whole) // workers
                 first_row, row_step = worker * scratch_rows, workers * scratch_rows
             weights, gate, up = group_weights(codes, scales, w, dm, group, tiles)
             first = group * half if silu else group * TILE_GROUP
+            # Read in place, every pass asks for the worker's next group meanwhile: its
+            # weights arrive while this group's passes compute from L2.
+            ahead = -1
+            if in_place and task + workers < tasks:
+                later = task + workers
+                later = later if later < whole else whole + (later - whole) // workers
+                if later > group:
+                    ahead = (later - group) * (half if silu else TILE_GROUP)
             for r0 in range(first_row, m, row_step):
                 rows = min(scratch_rows, m - r0)
                 if not silu:
                     tile_group = weights[gate : gate + TILE_GROUP]
-                    over_scratch(rows, x, r0, tile_group, scales, out, first, TILE_GROUP, add, 0, 1)
+                    over_scratch(
+                        rows, x, r0, tile_group, scales, out, first, TILE_GROUP, add, ahead, 0, 1
+                    )
                     continue
                 if halves:
                     gates, ups = weights[gate : gate + half], weights[up : up + half]
-                    over_scratch(rows, x, r0, gates, scales, product[0], 0, half, False, 0, 1)
-                    over_scratch(rows, x, r0, ups, scales, product[1], 0, half, False, 0, 1)
+                    over_scratch(rows, x, r0, gates, scales, product[0], 0, half, False, ahead, 0, 1)
+                    over_scratch(rows, x, r0, ups, scales, product[1], 0, half, False, ahead, 0, 1)
                 else:
                     tile_group = weights[gate : gate + TILE_GROUP]
                     over_scratch(
-                        rows, x, r0, tile_group, scales, whole_group, 0, TILE_GROUP, False, 0, 1
+                        rows, x, r0, tile_group, scales, whole_group, 0, TILE_GROUP, False, -1, 0, 1
                     )
                     for r in range(r0, r0 + rows):
                         for b in range(half):
@@ -950,7 +976,7 @@ def _by_rows(
 
     @jit(nogil=True, error_model="numpy")
     def run(rows: int, *args: Any) -> None:
-        # args: (x, r0, codes, scales, out, first, tiles, add, worker, workers)
+        # args: (x, r0, codes, scales, out, first, tiles, add, ahead, worker, workers)
         if rows > most:
             return
         if rows == 12:
