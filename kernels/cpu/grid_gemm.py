@@ -898,8 +898,8 @@ def gemm_all_rows(
                 first_row, row_step = worker * scratch_rows, workers * scratch_rows
             weights, gate, up = group_weights(codes, scales, w, dm, group, tiles)
             first = group * half if silu else group * TILE_GROUP
-            # Read in place, every pass asks for the worker's next group meanwhile: its
-            # weights arrive while this group's passes compute from L2.
+            # Read in place, the first two passes ask for the worker's next group
+            # meanwhile: its weights arrive while this group's passes compute from L2.
             ahead = -1
             if in_place and task + workers < tasks:
                 later = task + workers
@@ -908,6 +908,8 @@ def gemm_all_rows(
                     ahead = (later - group) * (half if silu else TILE_GROUP)
             for r0 in range(first_row, m, row_step):
                 rows = min(scratch_rows, m - r0)
+                if r0 == first_row + 2 * row_step:  # asked twice: it is in L2 by now
+                    ahead = -1
                 if not silu:
                     tile_group = weights[gate : gate + TILE_GROUP]
                     over_scratch(
