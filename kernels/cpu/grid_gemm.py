@@ -923,7 +923,9 @@ def gemm_all_rows(
                     continue
                 if halves:
                     gates, ups = weights[gate : gate + half], weights[up : up + half]
-                    over_scratch(rows, x, r0, gates, scales, product[0], 0, half, False, ahead, 0, 1)
+                    over_scratch(
+                        rows, x, r0, gates, scales, product[0], 0, half, False, ahead, 0, 1
+                    )
                     over_scratch(rows, x, r0, ups, scales, product[1], 0, half, False, ahead, 0, 1)
                 else:
                     tile_group = weights[gate : gate + TILE_GROUP]
