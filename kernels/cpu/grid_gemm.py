@@ -94,7 +94,7 @@ WIDE_ROWS = 3
 IN_PLACE_ROWS = 12
 # From this many rows a one-pass GEMM over weights in place prefetches its worker's next
 # tile group (`gemm_kernel`'s ahead); fewer rows compute so little per group that the
-# hardware prefetcher keeps up, and the extra requests cost fp32 tiles 4-6% at 2-4 rows.
+# hardware prefetcher keeps up, and the extra requests only slowed fp32 tiles there.
 PREFETCH_ROWS = 6
 # The most new tokens the fused step takes (`fused_step`); larger steps run layer by layer.
 GRID_MAX_ROWS = 512
