@@ -897,9 +897,9 @@ def gemm_all_rows(
         silu_scratch = np.empty((4 if silu else 0, scratch_rows * half * LANES), np.float32)
         tasks = whole + (groups - whole) * workers
         for task in range(worker, tasks, workers):
-            group, first_row, row_step = task, 0, scratch_rows
+            group = _task_group(task, whole, workers)
+            first_row, row_step = 0, scratch_rows
             if task >= whole:
-                group = whole + (task - whole) // workers
                 first_row, row_step = worker * scratch_rows, workers * scratch_rows
             weights, gate, up = group_weights(codes, scales, w, dm, group, tiles)
             first = group * half if silu else group * TILE_GROUP
@@ -907,8 +907,7 @@ def gemm_all_rows(
             # meanwhile: its weights arrive while this group's passes compute from L2.
             ahead = -1
             if in_place and task + workers < tasks:
-                later = task + workers
-                later = later if later < whole else whole + (later - whole) // workers
+                later = _task_group(task + workers, whole, workers)
                 if later > group:
                     ahead = (later - group) * (half if silu else TILE_GROUP)
             for r0 in range(first_row, m, row_step):
@@ -939,6 +938,13 @@ def gemm_all_rows(
                 _silu_rows(product, r0, rows, out, first, silu_scratch)
 
     return gemm
+
+
+@jit(inline="always")
+def _task_group(task: int, whole: int, workers: int) -> int:
+    """The tile group of `gemm_all_rows`' task: a whole group, or one of the groups left
+    over, which every worker takes a share of the rows of."""
+    return task if task < whole else whole + (task - whole) // workers
 
 
 @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
