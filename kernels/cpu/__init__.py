@@ -19,8 +19,8 @@ from pagedinfer.kernels.cpu.compile_record import compiled_before, record_compil
 from pagedinfer.kernels.cpu.executor import (
     SUPPORTED_FEATURES,
     CpuExecutor,
-    gemm_biases,
     prepare,
+    unfused_biases,
     unsupported_features,
 )
 
@@ -34,12 +34,12 @@ def bf16_products_serve(model_config: Any) -> bool:
     """Whether the executor serves this model in bf16 (--dtype bfloat16) with its own
     kernels: the layers' GEMMs multiply bf16 pairs (`grid_gemm.BF16_DOT`), and the rest
     runs in fp32. Needs AVX512-BF16, the compiled kernels, every feature implemented and no
-    GEMM bias; elsewhere bf16 runs on the matmul library's bf16 GEMMs and torch ops."""
+    bias past q/k/v's; elsewhere bf16 runs on the matmul library's bf16 GEMMs and torch ops."""
     from pagedinfer.kernels import torch_ops
 
     native = bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
     compiled = torch_ops.compiled_kernels() and supports(model_config)
-    return native and compiled and not gemm_biases(model_config)
+    return native and compiled and not unfused_biases(model_config)
 
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 It runs the same equations as the model's own torch forward (`pagedinfer.service.models`)
 with faster parts, picked from the configuration and the CPU alone:
-- fp32 without biases: the compiled GEMMs of `grid_gemm`, from the weights'
+- fp32 with no bias past q/k/v's: the compiled GEMMs of `grid_gemm`, from the weights'
   quantisation grid at each GEMM position where every layer's weight lies on one of one
   kind (a model that came as a GGUF file: "grid"), else from the fp32 weights in the
   same tile layout ("rebuilt"); steps of up
@@ -203,6 +203,8 @@ class CpuExecutor:
             greedy_argmax.ArgmaxWeights.of(lm_head, orders[4]) if greedy_argmax.fast() else None
         )
         norms = torch.stack([torch.stack(_norms(layer)) for layer in model.layers])
+        qkv_biases = [layer.linears()[0].bias for layer in model.layers]
+        biased = qkv_biases[0] is not None
         self.fused = fused_step.FusedWeights.stack(
             layer_grids,
             lm_head,
@@ -212,6 +214,7 @@ class CpuExecutor:
             model.norm.weight.detach().numpy(),
             self.config.rms_norm_eps,
             argmax,
+            torch.stack(qkv_biases).detach().float().numpy() if biased else None,
         )
         if self.fused is None:
             raise ValueError(
@@ -222,7 +225,8 @@ class CpuExecutor:
             for position in range(len(layer_grids[i])):
                 # A view of the stacked arrays: the fused step and this path share them.
                 view = self.fused.layer_grid(position, i)
-                gemms.append(GridGemm(view, orders[position]))
+                bias = qkv_biases[i].detach().float() if biased and position == 0 else None
+                gemms.append(GridGemm(view, orders[position], bias))
             self.layers.append(_Layer(_norms(layer), *gemms))
         self.lm_head = GridGemm(lm_head, orders[4])
         self.argmax = argmax
@@ -752,11 +756,11 @@ def choose_grids(
     value of the position is a bf16 (or every one an fp16: a checkpoint stored in that
     type), else in fp32. bf16_products: every layer's GEMMs multiply in bf16
     (`grid_gemm.BF16_DOT`), and the LM head in fp32 from its bf16 values (`greedy_argmax`
-    proves its tokens for fp32 products). None where a GEMM has a bias (the fused step
-    adds none) or a shape does not tile."""
+    proves its tokens for fp32 products). None where a GEMM past q/k/v has a bias
+    (`unfused_biases`) or a shape does not tile."""
     from pagedinfer.kernels.cpu import grid_gemm
 
-    if gemm_biases(model.config):
+    if unfused_biases(model.config):
         return None
     names = {id(p): name for name, p in model.named_parameters()}
     file_grids = getattr(model, "gguf_grids", None) or {}
@@ -847,9 +851,10 @@ def warm_up_running() -> bool:
     return any(t.name == WARM_UP_THREAD and t.is_alive() for t in threading.enumerate())
 
 
-def gemm_biases(config: Any) -> bool:
-    """Whether a model config's GEMMs add biases, which the fused step does not."""
-    return bool(config.attention_bias or config.o_proj_bias or config.mlp_bias)
+def unfused_biases(config: Any) -> bool:
+    """Whether a model config's GEMMs add biases that the fused step does not: o_proj's or
+    the MLP's. It adds q/k/v biases (Qwen2's) to the product before the rotation."""
+    return bool(config.o_proj_bias or config.mlp_bias)
 
 
 def choose_mode(model: nn.Module) -> tuple[str, bool] | None:
@@ -860,7 +865,7 @@ def choose_mode(model: nn.Module) -> tuple[str, bool] | None:
     dtype = model.embed_tokens.weight.dtype
     compiled = dtype == torch.float32 and torch_ops.compiled_kernels()
     config = model.config
-    if compiled and not gemm_biases(config):
+    if compiled and not unfused_biases(config):
         return "grid", True
     if mkl_fp32_available(dtype):
         return "mkl", compiled
@@ -908,7 +913,7 @@ def prepare(
     if choice is None:
         return None
     if bf16_products and choice != ("grid", True):
-        raise ValueError("bf16 products need the compiled kernels and no GEMM bias")
+        raise ValueError("bf16 products need the compiled kernels and no bias past q/k/v's")
     executor = CpuExecutor(model, *choice, store=store, bf16_products=bf16_products)
     if background:
         threading.Thread(

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -108,6 +108,9 @@ class FusedWeights:
     # The LM head as `greedy_argmax` picks greedy rows' tokens from it; None: every row's
     # logits are computed.
     argmax: greedy_argmax.ArgmaxWeights | None = None
+    # fp32 [layers, q/k/v outputs]: the q/k/v biases (Qwen2's), added to the product
+    # before the rotation; [layers, 0] for a model without them.
+    qkv_bias: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))
 
     @classmethod
     def stack(
@@ -120,10 +123,12 @@ class FusedWeights:
         final_norm: np.ndarray,
         eps: float,
         argmax: greedy_argmax.ArgmaxWeights | None = None,
+        qkv_bias: np.ndarray | None = None,
     ) -> FusedWeights | None:
         """From each layer's four grids (q/k/v, o, gate/up, down) and the order each GEMM
-        sums in (the four and the LM head); None where one GEMM's grids differ in shape
-        across layers, or come in more than two kinds (with their arrays' types)."""
+        sums in (the four and the LM head), and each layer's q/k/v bias where the model has
+        them ([layers, q/k/v outputs]); None where one GEMM's grids differ in shape across
+        layers, or come in more than two kinds (with their arrays' types)."""
         kinds, codes, scales, seconds, second_codes, second_scales = [], [], [], [], [], []
         layer_slots = np.zeros((4, len(layers)), np.int64)
         for p, position in enumerate(zip(*layers, strict=True)):
@@ -152,6 +157,10 @@ class FusedWeights:
                 seconds.append(None)
                 second_codes.append(codes[-1][:0])
                 second_scales.append(scales[-1][:0])
+        if qkv_bias is None:
+            qkv_bias = np.zeros((len(layers), 0), np.float32)
+        elif qkv_bias.shape != (len(layers), layers[0][0].out_features):
+            return None
         return cls(
             norms=np.ascontiguousarray(norms, dtype=np.float32),
             final_norm=np.ascontiguousarray(final_norm, dtype=np.float32),
@@ -166,6 +175,7 @@ class FusedWeights:
             second_codes=tuple(second_codes),
             second_scales=tuple(second_scales),
             layer_slots=layer_slots,
+            qkv_bias=np.ascontiguousarray(qkv_bias, dtype=np.float32),
         )
 
     def layer_grid(self, position: int, layer: int) -> grid_gemm.GridWeight:
@@ -190,6 +200,7 @@ class FusedWeights:
             *self.second_scales,
             self.norms,
             self.final_norm,
+            self.qkv_bias,
         )
         return sum(a.nbytes for a in arrays)
 
@@ -334,6 +345,7 @@ def _new_setup(
             *weights.second_codes,
             *weights.second_scales,
             weights.layer_slots,
+            weights.qkv_bias,
         ),
         scratch_args=(
             np.empty((tokens, shape.hidden), np.float32),  # normed
@@ -601,6 +613,7 @@ def _kernel(
         gate_up_scales2: np.ndarray,
         down_scales2: np.ndarray,
         layer_slots: np.ndarray,
+        qkv_bias: np.ndarray,
         k_caches: Any,
         v_caches: Any,
         d_rows: np.ndarray,
@@ -677,6 +690,11 @@ def _kernel(
                 workers,
             )
             passed, mark = end_phase(sync, workers, passed, prof, worker, _QKV, mark)
+            if qkv_bias.shape[1]:  # the worker's rows, before their rotation
+                bias = qkv_bias[layer]
+                for t in range(lo, hi):
+                    for i in range(bias.shape[0]):
+                        qkv[t, i] += bias[i]
             cache_rows = k_cache.shape[0] * k_cache.shape[1]
             bad = rope_write_kv(
                 qkv[lo:hi],

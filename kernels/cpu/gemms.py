@@ -103,10 +103,12 @@ class MklGemm:
 @dataclass
 class GridGemm:
     """A weight held as its quantisation grid (`grid_gemm.GridWeight`), summed in one
-    fixed order, so that a row gets the same bits in a batch of any size."""
+    fixed order, so that a row gets the same bits in a batch of any size. A bias is added
+    to the product, rounded once more, as the fused step adds q/k/v's."""
 
     weight: object  # grid_gemm.GridWeight
     order: object  # grid_gemm.SumOrder
+    bias: torch.Tensor | None = None  # fp32 [out_features]
 
     @property
     def out_features(self) -> int:
@@ -115,12 +117,15 @@ class GridGemm:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         from pagedinfer.kernels.cpu import grid_gemm
 
-        return grid_gemm.grid_linear(x.contiguous(), self.weight, self.order)
+        out = grid_gemm.grid_linear(x.contiguous(), self.weight, self.order)
+        if self.bias is not None:
+            out += self.bias
+        return out
 
     def add_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
         from pagedinfer.kernels.cpu import grid_gemm
 
-        if out.is_contiguous():
+        if out.is_contiguous() and self.bias is None:
             grid_gemm.grid_linear(x.contiguous(), self.weight, self.order, out=out, add=True)
         else:
             out += self(x)

@@ -4,6 +4,7 @@ gives the logits and the KV cache of the executor's pass layer by layer, bit for
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 from collections.abc import Iterator
@@ -43,9 +44,12 @@ def on_grid(
     return torch.from_numpy(w.reshape(out_features, in_features))
 
 
-def grid_model(seed: int = 0, attention_bias: bool = False) -> LlamaModel:
+def grid_model(
+    seed: int = 0, attention_bias: bool = False, o_proj_bias: bool = False
+) -> LlamaModel:
     """A small Llama whose GEMM weights lie on 4-bit grids and whose (tied) embeddings on
-    an 8-bit one, as a GGUF file's Q4_1 and Q8_0 weights load."""
+    an 8-bit one, as a GGUF file's Q4_1 and Q8_0 weights load; with q/k/v biases (as
+    Qwen2's) and an o_proj bias where asked, each drawn at random."""
     config = ModelConfig(
         architecture="llama",
         vocab_size=512,
@@ -60,6 +64,7 @@ def grid_model(seed: int = 0, attention_bias: bool = False) -> LlamaModel:
         rope_scaling=None,
         tie_word_embeddings=True,
         attention_bias=attention_bias,
+        o_proj_bias=o_proj_bias,
         max_position_embeddings=1024,  # room for a step past the grid's 512 rows
     )
     rng = np.random.default_rng(seed)
@@ -72,6 +77,9 @@ def grid_model(seed: int = 0, attention_bias: bool = False) -> LlamaModel:
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
                 norm.weight.copy_(torch.from_numpy(rng.random(256).astype(np.float32) + 0.5))
         model.embed_tokens.weight.copy_(on_grid(512, 256, rng, 8))
+        for linear in (lin for layer in model.layers for lin in layer.linears()):
+            if linear.bias is not None:
+                linear.bias.copy_(torch.from_numpy(rng.normal(0, 0.05, linear.bias.shape)))
     return model
 
 
@@ -430,13 +438,32 @@ def test_weights_off_every_grid_get_the_fused_step_from_their_fp32_tiles() -> No
         assert tokens[greedy].tolist() == expected[greedy].argmax(dim=1).tolist()
 
 
-def test_weights_with_biases_get_no_fused_step() -> None:
-    """The same grid weights with q/k/v biases: the fused step adds none, so the library's
-    packed GEMMs serve (where torch has MKL) with the compiled ops between them."""
+def test_q_k_v_biases_are_added_in_the_fused_step() -> None:
+    """Grid weights with q/k/v biases (Qwen2's): the fused step adds each layer's bias to
+    its q/k/v product and gives the layered logits and K/V bit for bit; both are the
+    model's own torch forward within rounding, and a model without the biases differs."""
     with_biases = grid_model(seed=1, attention_bias=True)
-    with torch.no_grad():
-        for layer in with_biases.layers:
-            layer.self_attn.qkv_proj.bias.normal_(0, 0.05)
+    layers = with_biases.layers
+    assert find_grids(with_biases) is not None
+    reference = copy.deepcopy(with_biases)
+    executor = grid_executor(with_biases)
+    stacked = torch.stack([layer.self_attn.qkv_proj.bias.detach() for layer in layers])
+    assert np.array_equal(executor.fused.qkv_bias, stacked.numpy())
+    base = prefilled(executor, [20, 33])
+    chunks = [(0, [5], 20), (1, [1, 2, 3, 4, 5], 33)]
+    assert_fused_matches_layered(executor, base, chunks)
+    fused = run(base.copy(), executor, chunks, fused=True)
+    theirs = torch.cat(base.copy().step(reference, chunks))
+    torch.testing.assert_close(fused, theirs, rtol=1e-4, atol=1e-4)
+    without = grid_executor(grid_model(seed=1))
+    assert without.fused.qkv_bias.shape == (3, 0)
+    assert (run(base.copy(), without, chunks, fused=True) - fused).abs().max() > 1e-2
+
+
+def test_an_o_proj_bias_gets_no_fused_step() -> None:
+    """An o_proj bias (Llama's attention_bias covers it): the fused step adds none, so the
+    library's packed GEMMs serve (where torch has MKL) with the compiled ops between them."""
+    with_biases = grid_model(seed=1, attention_bias=True, o_proj_bias=True)
     assert find_grids(with_biases) is None
     executor = cpu.prepare(with_biases, BLOCK_SIZE)
     if executor is None:
