@@ -23,6 +23,7 @@ sys.path.insert(0, str(BENCH))  # the benchmarks import their siblings as script
 
 from peers import run_llamacpp, run_vllm  # noqa: E402
 from peers.noisy_checkpoint import make_noisy_checkpoint, noisy_weights  # noqa: E402
+from peers.shaped_checkpoint import QWEN2_0_5B_SHAPE, make_shaped_checkpoint  # noqa: E402
 from workloads.chat import chat_workload, load_chat_prompts  # noqa: E402
 
 
@@ -249,3 +250,20 @@ def test_noisy_checkpoint_is_an_ordinary_hf_directory(tmp_path):
     assert (w - 1).abs().max().item() < 1e-2
     with pytest.raises(ValueError, match=r"no \.safetensors weight files"):
         make_noisy_checkpoint(tmp_path / "out" / "missing", tmp_path / "x")
+
+
+def test_a_shaped_checkpoint_loads_as_qwen2_with_its_shape_and_biases(tmp_path):
+    """The benchmark's checkpoint of another family, at a small shape: our loader reads it
+    as Qwen2 with that shape, q/k/v biases that are not zero and the embedded tokenizer."""
+    from pagedinfer.service.loader import load_model
+
+    shape = {**QWEN2_0_5B_SHAPE, "hidden_size": 128, "intermediate_size": 256}
+    shape.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    target = make_shaped_checkpoint(tmp_path / "qwen", seed=0, shape=shape)
+    loaded = load_model(str(target), torch.device("cpu"), torch.float32)
+    config = loaded.config
+    assert config.architecture == "qwen2" and config.attention_bias
+    assert (config.hidden_size, config.num_layers, config.num_kv_heads) == (128, 2, 2)
+    assert config.tie_word_embeddings and config.vocab_size == len(loaded.tokenizer)
+    bias = loaded.model.layers[0].self_attn.qkv_proj.bias
+    assert bias.shape == (4 * 32 + 2 * 2 * 32,) and bias.abs().min() > 0

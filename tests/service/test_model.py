@@ -436,16 +436,21 @@ def test_tiny_models_in_bfloat16(
 
 
 @pytest.mark.parametrize(
-    ("overrides", "products"),
-    [({}, True), ({"attention_bias": True, "mlp_bias": True}, False)],
-    ids=["llama", "llama-biases"],
+    ("preset", "overrides", "products"),
+    [
+        ("llama", {}, True),
+        ("qwen2", {}, True),
+        ("llama", {"attention_bias": True, "mlp_bias": True}, False),
+    ],
+    ids=["llama", "qwen2", "llama-biases"],
 )
 def test_bfloat16_multiplies_in_bf16_and_keeps_the_rest_in_fp32(
-    make_tiny_model: Callable[..., Path], overrides: dict, products: bool
+    make_tiny_model: Callable[..., Path], preset: str, overrides: dict, products: bool
 ) -> None:
     """An engine asked for bf16 on a CPU with AVX512-BF16 serves a model its executor
     implements with bf16 products in the layers' GEMMs (`grid_gemm.BF16_DOT`), K and V
-    in a bf16 cache and fp32 everywhere else; one with GEMM biases stays bf16 throughout.
+    in a bf16 cache and fp32 everywhere else (Qwen2's q/k/v biases included); one with
+    o_proj or MLP biases stays bf16 throughout.
     Either way the logits stay as near fp32's as transformers' bf16 logits are, as do
     those of the model's own forward in fp32 over a bf16 cache (what serves while the
     kernels compile)."""
@@ -455,7 +460,7 @@ def test_bfloat16_multiplies_in_bf16_and_keeps_the_rest_in_fp32(
 
     if not torch_ops.native_bf16():
         pytest.skip("bf16 matmul is emulated on this CPU")
-    path = make_tiny_model("llama", **overrides)
+    path = make_tiny_model(preset, **overrides)
     config = EngineConfig(
         model=str(path),
         dtype="bfloat16",

@@ -1,0 +1,88 @@
+"""A checkpoint of another family and size: Qwen2.5-0.5B's shape with random weights.
+
+Only the embedded model's weights are on this machine, so the benchmark checks that the
+speed holds for other checkpoints with one of Qwen2.5-0.5B-Instruct's architecture and
+shapes (24 layers, hidden 896, 14 query heads over 2 KV heads, MLP 4864, q/k/v biases,
+tied embeddings), drawn at random and seeded, over the embedded model's tokenizer (so its
+vocabulary, 49,152 tokens, not Qwen's). Speed depends on the shapes and the features, not
+on the values; every system serves the same directory.
+
+    python benchmarks/peers/shaped_checkpoint.py  # prints the directory, built once
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedinfer.service.loader import cache_dir, ensure_default_model
+
+# Qwen2.5-0.5B-Instruct's config.json, but for the vocabulary (the embedded tokenizer's).
+QWEN2_0_5B_SHAPE = {
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+}
+# The embedded model's files that a checkpoint over its tokenizer takes as they are.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+# Random biases (transformers starts them at zero): a bias that is all zeros is no test.
+BIAS_STD = 0.02
+
+
+def make_shaped_checkpoint(
+    target: Path, seed: int = 0, shape: dict[str, Any] = QWEN2_0_5B_SHAPE
+) -> Path:
+    """Write a Qwen2 checkpoint of `shape` (default the module doc's) over the embedded
+    model's tokenizer to `target`: fp32 safetensors, seeded random weights and biases."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    source = ensure_default_model()
+    vocab = json.loads((source / "config.json").read_text())["vocab_size"]
+    config = Qwen2Config(vocab_size=vocab, bos_token_id=1, eos_token_id=2, **shape)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                torch.nn.init.normal_(param, std=BIAS_STD)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        for name in _TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copy2(source / name, staging / name)
+        staging.chmod(0o755)
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def ensure_shaped_model(seed: int = 0) -> Path:
+    """The Qwen2.5-0.5B-shaped checkpoint, built once into pagedinfer's cache."""
+    key = hashlib.sha256(f"qwen2-0.5b|{sorted(QWEN2_0_5B_SHAPE.items())}|{seed}".encode())
+    target = cache_dir() / "models" / f"qwen2-0.5b-shaped-{key.hexdigest()[:12]}"
+    if (target / "config.json").is_file():
+        return target
+    return make_shaped_checkpoint(target, seed)
+
+
+if __name__ == "__main__":
+    print(ensure_shaped_model())
+    sys.exit(0)
