@@ -16,13 +16,16 @@ import hashlib
 import json
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from pagedinfer.service.loader import cache_dir, ensure_default_model
+
+if not __package__:  # run as a script: the benchmarks directory holds its package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from peers.paths import staged_directory
 
 NOISE_SCALE = 1e-3
 # The weight files; every other file of the directory is copied as it is.
@@ -59,9 +62,7 @@ def make_noisy_checkpoint(
     files = sorted(source.glob(f"*{_WEIGHT_SUFFIX}"))
     if not files:
         raise ValueError(f"{source} has no {_WEIGHT_SUFFIX} weight files")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    with staged_directory(target) as staging:
         for path in source.iterdir():
             if path.is_file() and path.suffix != _WEIGHT_SUFFIX:
                 shutil.copy2(path, staging / path.name)
@@ -72,12 +73,6 @@ def make_noisy_checkpoint(
         for index, path in enumerate(files):
             weights = noisy_weights(load_file(path), scale, seed + index, dtype)
             save_file(weights, staging / path.name, metadata={"format": "pt"})
-        staging.chmod(0o755)
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 

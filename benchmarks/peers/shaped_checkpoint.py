@@ -16,13 +16,16 @@ import hashlib
 import json
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pagedinfer.service.loader import cache_dir, ensure_default_model
+
+if not __package__:  # run as a script: the benchmarks directory holds its package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from peers.paths import staged_directory
 
 # Qwen2.5-0.5B-Instruct's config.json, but for the vocabulary (the embedded tokenizer's).
 QWEN2_0_5B_SHAPE = {
@@ -58,19 +61,11 @@ def make_shaped_checkpoint(
         for name, param in model.named_parameters():
             if name.endswith("bias"):
                 torch.nn.init.normal_(param, std=BIAS_STD)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    with staged_directory(target) as staging:
         model.save_pretrained(staging, safe_serialization=True)
         for name in _TOKENIZER_FILES:
             if (source / name).is_file():
                 shutil.copy2(source / name, staging / name)
-        staging.chmod(0o755)
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 

@@ -267,3 +267,20 @@ def test_a_shaped_checkpoint_loads_as_qwen2_with_its_shape_and_biases(tmp_path):
     assert config.tie_word_embeddings and config.vocab_size == len(loaded.tokenizer)
     bias = loaded.model.layers[0].self_attn.qkv_proj.bias
     assert bias.shape == (4 * 32 + 2 * 2 * 32,) and bias.abs().min() > 0
+
+
+def test_a_staged_directory_replaces_its_target_only_when_written_whole(tmp_path):
+    from peers.paths import staged_directory
+
+    target = tmp_path / "model"
+    target.mkdir()
+    (target / "old").write_text("kept")
+    with pytest.raises(RuntimeError, match="interrupted"), staged_directory(target) as staging:
+        (staging / "new").write_text("half")
+        raise RuntimeError("interrupted")
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+    assert [p.name for p in target.iterdir()] == ["old"]
+    with staged_directory(target) as staging:
+        (staging / "new").write_text("whole")
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+    assert [p.name for p in target.iterdir()] == ["new"]
