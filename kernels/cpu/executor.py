@@ -9,6 +9,8 @@ with faster parts, picked from the configuration and the CPU alone:
   to `grid_gemm.GRID_MAX_ROWS` tokens run as one compiled call (`fused_step`), and on
   any LM head greedy rows' tokens are picked without most of their logits
   (`greedy_argmax`, where the CPU has AVX2 or AVX-512 VNNI);
+- with bf16 products on a CPU with AMX tiles, steps of `LIBRARY_MIN_ROWS` tokens or more
+  on the matmul library's bf16 GEMMs over the same weights (`PairsOnLibraryGemm`);
 - otherwise the matmul library's packed layout ("mkl" for fp32, "onednn" for bf16 on
   CPUs with native bf16), or the weights as they are ("dense");
 - with fp32 weights, the ops between the GEMMs in compiled kernels (`layer_ops`) and
@@ -47,6 +49,8 @@ from pagedinfer.kernels.cpu.gemms import (
     GridGemm,
     MklGemm,
     OneDnnGemm,
+    PairsOnLibraryGemm,
+    amx_bf16,
     mkl_fp32_available,
     onednn_bf16_available,
 )
@@ -56,6 +60,11 @@ from pagedinfer.kernels.validation import check_paged_attention, check_write_kv
 log = logging.getLogger(__name__)
 
 WARM_UP_THREAD = "cpu-executor-warm-up"
+# With bf16 products on a CPU with AMX tiles, steps of at least this many tokens run layer
+# by layer on the matmul library's bf16 GEMMs (`PairsOnLibraryGemm`): from here on their
+# rate (over 1 TFLOP/s on 2 cores) outweighs unpacking the weights at every call, where
+# the grid GEMM's bf16 pairs run at about half its fp32 rate on such a CPU.
+LIBRARY_MIN_ROWS = 64
 # How long a child process may take to compile the kernels before the server gives up
 # on it (the model's torch forward then keeps serving).
 CHILD_COMPILE_TIMEOUT_S = 1800.0
@@ -114,6 +123,9 @@ class _Layer:
     gate_up: Gemm
     down: Gemm
 
+    def gemms(self) -> tuple[Gemm, Gemm, Gemm, Gemm]:
+        return self.qkv, self.o, self.gate_up, self.down
+
 
 class CpuExecutor:
     """Runs a model's forward pass on the CPU backend (see the module doc)."""
@@ -136,6 +148,10 @@ class CpuExecutor:
         self.compiled = compiled  # the ops between the GEMMs and attention in numba kernels
         self.layers: list[_Layer] = []
         self.lm_head: Gemm | None = None
+        # The same layers on the library's bf16 GEMMs, for steps of `library_rows` tokens
+        # or more; None where those steps keep the grid GEMMs.
+        self.library_layers: list[_Layer] | None = None
+        self.library_rows = LIBRARY_MIN_ROWS
         self.fused: Any = None  # fused_step.FusedWeights
         self.argmax: Any = None  # greedy_argmax.ArgmaxWeights
         # int64 [threads, phases, 2], or None: each fused step adds the cycles its workers
@@ -230,6 +246,8 @@ class CpuExecutor:
             self.layers.append(_Layer(_norms(layer), *gemms))
         self.lm_head = GridGemm(lm_head, orders[4])
         self.argmax = argmax
+        if self.bf16_products and amx_bf16():
+            self.library_layers = library_layers(self.layers)
 
     def build_and_warm_up(
         self,
@@ -533,11 +551,14 @@ class CpuExecutor:
         hidden = self.model.embed_tokens(input_ids)
         rope = self.model.rotary(positions)
         attn.compiled = self.compiled
-        if self.fused is not None:
+        layers = self.layers
+        if self.library_layers is not None and hidden.shape[0] >= self.library_rows:
+            layers = self.library_layers
+        elif self.fused is not None:
             out = self._fused_step(hidden, rope, kv_caches, attn, logits_indices, greedy)
             if out is not None:
                 return out
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
             self._layer(layer, hidden, rope, kv_cache, attn)
         normed = self._norm(hidden[logits_indices], self.model.norm.weight)
         if greedy is None or self.argmax is None or not bool(greedy.any()):
@@ -713,6 +734,15 @@ class CpuExecutor:
             )
             self._step_shapes[block_size] = shape
         return shape
+
+
+def library_layers(layers: list[_Layer]) -> list[_Layer]:
+    """The layers with each bf16-pairs GEMM on the matmul library (`PairsOnLibraryGemm`),
+    over the same arrays: no weight is copied until a call unpacks it."""
+    return [
+        _Layer(layer.norms, *(PairsOnLibraryGemm(g.weight, g.bias) for g in layer.gemms()))
+        for layer in layers
+    ]
 
 
 def decode_plan(attn: AttentionMetadata, block_size: int) -> torch_ops.AttentionPlan | None:

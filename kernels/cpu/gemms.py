@@ -1,6 +1,7 @@
 """The GEMMs the CPU executor runs, one object per weight: the matmul library's packed
-layouts (MKL's for fp32, oneDNN's for bf16 where the CPU has native bf16) and the grid
-GEMM (`grid_gemm`) for weights that lie on a quantisation grid.
+layouts (MKL's for fp32, oneDNN's for bf16 where the CPU has native bf16), the grid
+GEMM (`grid_gemm`) for weights that lie on a quantisation grid, and the library's bf16
+GEMM over a grid GEMM's bf16 pairs, for steps of many rows on CPUs with AMX tiles.
 
 Each takes x [rows, in_features] and gives x @ W.T (+ bias), or adds it into `out`.
 A packed weight serves a batch of any size; the batch hint only tunes its layout.
@@ -11,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 from pagedinfer.kernels import torch_ops
 
@@ -28,6 +31,13 @@ def onednn_bf16_available(dtype: torch.dtype) -> bool:
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
+
+
+def amx_bf16() -> bool:
+    """Whether this CPU has AMX tiles for the matmul library's bf16 GEMMs: there they run
+    several times the rate of the grid GEMM's bf16 pairs once a step has a few dozen rows."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    return bool(probe()) and torch.backends.mkldnn.is_available()
 
 
 def mkl_fp32_available(dtype: torch.dtype) -> bool:
@@ -129,6 +139,40 @@ class GridGemm:
             grid_gemm.grid_linear(x.contiguous(), self.weight, self.order, out=out, add=True)
         else:
             out += self(x)
+
+
+@dataclass
+class PairsOnLibraryGemm:
+    """A weight held as the grid GEMM's bf16 pairs (`grid_gemm.BF16_DOT`), multiplied by the
+    matmul library's bf16 GEMM: each call unpacks the pairs into a dense bf16 weight (a
+    transpose of 32-bit words) and rounds the rows to bf16, as the grid GEMM does. The
+    product comes back rounded to bf16 and in fp32; its sums are in the library's order,
+    not the grid GEMM's fixed one, so a row's bits depend on which GEMM served its step.
+    """
+
+    weight: object  # grid_gemm.GridWeight of kind BF16_DOT, codes uint32 [tiles, K / 2, 16]
+    bias: torch.Tensor | None = None  # fp32 [out_features]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.out_features
+
+    def dense(self) -> torch.Tensor:
+        """The weight as bf16 [out_features, in_features]: a word holds inputs 2j and 2j+1
+        of one output, the even one in its low half, as a bf16 pair lies in memory."""
+        w = self.weight
+        words = torch.from_numpy(w.codes.view(np.int32))
+        rows = words.transpose(1, 2).reshape(w.out_features, w.in_features // 2)
+        return rows.view(torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x.bfloat16(), self.dense()).float()
+        if self.bias is not None:
+            out += self.bias
+        return out
+
+    def add_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        out += self(x)
 
 
 @dataclass

@@ -18,7 +18,14 @@ pytest.importorskip("numba", reason="the fused step is compiled with numba")
 
 from pagedinfer.kernels import AttentionMetadata, cpu, torch_ops
 from pagedinfer.kernels.cpu import fused_step, greedy_argmax, grid_gemm
-from pagedinfer.kernels.cpu.executor import CpuExecutor, choose_mode, decode_plan, find_grids
+from pagedinfer.kernels.cpu.executor import (
+    CpuExecutor,
+    choose_mode,
+    decode_plan,
+    find_grids,
+    library_layers,
+)
+from pagedinfer.kernels.cpu.gemms import PairsOnLibraryGemm
 from pagedinfer.service.models.llama import LlamaModel, ModelConfig
 
 pytestmark = pytest.mark.skipif(
@@ -256,6 +263,64 @@ def test_bf16_products_over_a_bf16_cache_give_the_layered_logits_and_cache(
     assert_fused_matches_layered(executor, base, chunks)
     logits = run(base.copy(), executor, chunks, fused=True)
     assert logits.isfinite().all()
+
+
+def bf16_executor() -> CpuExecutor:
+    """The grid model's weights rounded to bf16, served with bf16 products."""
+    model = grid_model(seed=1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.bfloat16().float())
+    executor = cpu.prepare(model, BLOCK_SIZE, bf16_products=True)
+    assert executor is not None and executor.fused is not None
+    return executor
+
+
+def test_bf16_pairs_on_the_library_multiply_the_weights_bf16_values() -> None:
+    """The library GEMM over a bf16-pairs weight unpacks exactly the bf16 weight, and its
+    product is the library's over the rows rounded to bf16, near the grid GEMM's."""
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(128, 256, generator=gen) * 0.05
+    pairs = grid_gemm.rebuilt(weight, grid_gemm.BF16_DOT)
+    bias = torch.randn(128, generator=gen)
+    gemm = PairsOnLibraryGemm(pairs, bias)
+    assert torch.equal(gemm.dense(), weight.bfloat16())
+    x = torch.randn(70, 256, generator=gen)
+    expected = torch.nn.functional.linear(x.bfloat16(), weight.bfloat16()).float() + bias
+    assert torch.equal(gemm(x), expected)
+    grid = grid_gemm.grid_linear(x, pairs, grid_gemm.fixed_order(256)) + bias
+    torch.testing.assert_close(gemm(x), grid, rtol=2e-2, atol=2e-2)
+    out = torch.ones(70, 128)
+    gemm.add_into(out, x)
+    assert torch.equal(out, 1 + expected)
+
+
+def test_steps_of_many_tokens_go_to_the_library_and_small_ones_stay_fused() -> None:
+    """With the library layers on (CPUs with AMX tiles), a step of `library_rows` tokens
+    or more runs layer by layer on them, close to the grid GEMMs' logits and K/V; a
+    smaller step still takes the fused step and gives its bits."""
+    executor = bf16_executor()
+    base = prefilled(executor, [20, 9], room=80, dtype=torch.bfloat16)
+    prompt = [(0, [3 + i % 50 for i in range(70)], 20), (1, [8], 9)]
+    grid_cache = base.copy()
+    grid_logits = run(grid_cache, executor, prompt, fused=False)
+    executor.library_layers, executor.library_rows = library_layers(executor.layers), 64
+    try:
+        library_cache = base.copy()
+        fused_step_called = []
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(executor, "_fused_step", lambda *a: fused_step_called.append(a))
+            library_logits = run(library_cache, executor, prompt, fused=True)
+        assert not fused_step_called
+        torch.testing.assert_close(library_logits, grid_logits, rtol=0.05, atol=0.05)
+        for (k, v), (gk, gv) in zip(library_cache.kv_caches, grid_cache.kv_caches, strict=True):
+            torch.testing.assert_close(k.nan_to_num(0.0), gk.nan_to_num(0.0), atol=0.05, rtol=0.05)
+            torch.testing.assert_close(v.nan_to_num(0.0), gv.nan_to_num(0.0), atol=0.05, rtol=0.05)
+        decode = [(0, [42], 20), (1, [7], 9)]
+        with_library = run(base.copy(), executor, decode, fused=True)
+    finally:
+        executor.library_layers = None
+    assert torch.equal(with_library, run(base.copy(), executor, decode, fused=True))
 
 
 @pytest.mark.parametrize("threads", [1, 2])
