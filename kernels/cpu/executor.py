@@ -10,7 +10,8 @@ with faster parts, picked from the configuration and the CPU alone:
   any LM head greedy rows' tokens are picked without most of their logits
   (`greedy_argmax`, where the CPU has AVX2 or AVX-512 VNNI);
 - with bf16 products on a CPU with AMX tiles, steps of `LIBRARY_MIN_ROWS` tokens or more
-  on the matmul library's bf16 GEMMs over the same weights (`PairsOnLibraryGemm`);
+  on the matmul library's bf16 GEMMs over the same weights (`LibraryBf16Gemm`), and the
+  rest on bf16 weights widened in registers (`bf16_layer_kind`);
 - otherwise the matmul library's packed layout ("mkl" for fp32, "onednn" for bf16 on
   CPUs with native bf16), or the weights as they are ("dense");
 - with fp32 weights, the ops between the GEMMs in compiled kernels (`layer_ops`) and
@@ -47,9 +48,9 @@ from pagedinfer.kernels.cpu.gemms import (
     DenseGemm,
     Gemm,
     GridGemm,
+    LibraryBf16Gemm,
     MklGemm,
     OneDnnGemm,
-    PairsOnLibraryGemm,
     amx_bf16,
     mkl_fp32_available,
     onednn_bf16_available,
@@ -61,7 +62,7 @@ log = logging.getLogger(__name__)
 
 WARM_UP_THREAD = "cpu-executor-warm-up"
 # With bf16 products on a CPU with AMX tiles, steps of at least this many tokens run layer
-# by layer on the matmul library's bf16 GEMMs (`PairsOnLibraryGemm`): from here on their
+# by layer on the matmul library's bf16 GEMMs (`LibraryBf16Gemm`): from here on their
 # rate (over 1 TFLOP/s on 2 cores) outweighs unpacking the weights at every call, where
 # the grid GEMM's bf16 pairs run at about half its fp32 rate on such a CPU.
 LIBRARY_MIN_ROWS = 64
@@ -140,7 +141,7 @@ class CpuExecutor:
     ) -> None:
         self.model = model
         self.store = store  # where the built grids are kept between starts (`weight_store`)
-        # The layers' GEMMs multiply in bf16 (`grid_gemm.BF16_DOT`): the model is served
+        # The layers' GEMMs multiply bf16 weights (`bf16_layer_kind`): the model is served
         # with --dtype bfloat16, its weights rounded to bf16 values in fp32.
         self.bf16_products = bf16_products
         self.config = model.config
@@ -737,10 +738,10 @@ class CpuExecutor:
 
 
 def library_layers(layers: list[_Layer]) -> list[_Layer]:
-    """The layers with each bf16-pairs GEMM on the matmul library (`PairsOnLibraryGemm`),
+    """The layers with each bf16 GEMM on the matmul library (`LibraryBf16Gemm`),
     over the same arrays: no weight is copied until a call unpacks it."""
     return [
-        _Layer(layer.norms, *(PairsOnLibraryGemm(g.weight, g.bias) for g in layer.gemms()))
+        _Layer(layer.norms, *(LibraryBf16Gemm(g.weight, g.bias) for g in layer.gemms()))
         for layer in layers
     ]
 
@@ -774,6 +775,17 @@ def _norms(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 POSITIONS = ("qkv", "o", "gate_up", "down", "lm_head")
 
 
+def bf16_layer_kind() -> str:
+    """The kind of the layers' weights with bf16 products: pairs of inputs multiplied by
+    `vdpbf16ps` (`grid_gemm.BF16_DOT`), twice the fp32 rate on AMD's Zen 4; on CPUs with
+    AMX tiles, where that instruction ran at about half the fp32 rate (Emerald Rapids),
+    the same bf16 values widened in registers and multiplied with the fp32 rows
+    (`grid_gemm.BF16`): the same bytes, at the fp32 rate."""
+    from pagedinfer.kernels.cpu import grid_gemm
+
+    return grid_gemm.BF16 if amx_bf16() else grid_gemm.BF16_DOT
+
+
 def choose_grids(
     model: nn.Module, bf16_products: bool = False
 ) -> tuple[list[list[Any]], Any] | None:
@@ -784,9 +796,9 @@ def choose_grids(
     made one kind (`grid_gemm.one_kind`); otherwise
     that position's weights in tile layout (`grid_gemm.rebuilt`), in 16 bits where every
     value of the position is a bf16 (or every one an fp16: a checkpoint stored in that
-    type), else in fp32. bf16_products: every layer's GEMMs multiply in bf16
-    (`grid_gemm.BF16_DOT`), and the LM head in fp32 from its bf16 values (`greedy_argmax`
-    proves its tokens for fp32 products). None where a GEMM past q/k/v has a bias
+    type), else in fp32. bf16_products: every layer's weights as bf16 values in the kind
+    `bf16_layer_kind` picks, and the LM head's in `grid_gemm.BF16`, multiplied in fp32
+    (`greedy_argmax` proves its tokens for fp32 products). None where a GEMM past q/k/v has a bias
     (`unfused_biases`) or a shape does not tile."""
     from pagedinfer.kernels.cpu import grid_gemm
 
@@ -801,7 +813,7 @@ def choose_grids(
     for position, weights in zip(POSITIONS, positions, strict=True):
         grids, sources = [], set()
         if bf16_products:
-            kind = grid_gemm.BF16 if position == "lm_head" else grid_gemm.BF16_DOT
+            kind = grid_gemm.BF16 if position == "lm_head" else bf16_layer_kind()
             grids = [grid_gemm.rebuilt(w, kind) for w in weights]
             if any(g is None for g in grids):
                 return None

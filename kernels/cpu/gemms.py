@@ -142,15 +142,16 @@ class GridGemm:
 
 
 @dataclass
-class PairsOnLibraryGemm:
-    """A weight held as the grid GEMM's bf16 pairs (`grid_gemm.BF16_DOT`), multiplied by the
-    matmul library's bf16 GEMM: each call unpacks the pairs into a dense bf16 weight (a
-    transpose of 32-bit words) and rounds the rows to bf16, as the grid GEMM does. The
+class LibraryBf16Gemm:
+    """A weight held in the grid GEMM's 16-bit layouts of bf16 values (`grid_gemm.BF16`:
+    uint16 [tiles, K, 16]; `grid_gemm.BF16_DOT`: pairs of inputs, uint32 [tiles, K / 2, 16]),
+    multiplied by the matmul library's bf16 GEMM: each call unpacks the tiles into a dense
+    bf16 weight (a transpose; no second copy is kept) and rounds the rows to bf16. The
     product comes back rounded to bf16 and in fp32; its sums are in the library's order,
     not the grid GEMM's fixed one, so a row's bits depend on which GEMM served its step.
     """
 
-    weight: object  # grid_gemm.GridWeight of kind BF16_DOT, codes uint32 [tiles, K / 2, 16]
+    weight: object  # grid_gemm.GridWeight
     bias: torch.Tensor | None = None  # fp32 [out_features]
 
     @property
@@ -158,11 +159,12 @@ class PairsOnLibraryGemm:
         return self.weight.out_features
 
     def dense(self) -> torch.Tensor:
-        """The weight as bf16 [out_features, in_features]: a word holds inputs 2j and 2j+1
-        of one output, the even one in its low half, as a bf16 pair lies in memory."""
+        """The weight as bf16 [out_features, in_features]. A pair's word holds inputs 2j
+        and 2j+1 of one output, the even one in its low half, as two bf16 lie in memory."""
         w = self.weight
-        words = torch.from_numpy(w.codes.view(np.int32))
-        rows = words.transpose(1, 2).reshape(w.out_features, w.in_features // 2)
+        pairs = w.codes.dtype == np.uint32
+        tiles = torch.from_numpy(w.codes.view(np.int32 if pairs else np.int16))
+        rows = tiles.transpose(1, 2).reshape(w.out_features, -1)
         return rows.view(torch.bfloat16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from paged_cache import BLOCK_SIZE, PagedCache
 pytest.importorskip("numba", reason="the fused step is compiled with numba")
 
 from pagedinfer.kernels import AttentionMetadata, cpu, torch_ops
+from pagedinfer.kernels.cpu import executor as executor_module
 from pagedinfer.kernels.cpu import fused_step, greedy_argmax, grid_gemm
 from pagedinfer.kernels.cpu.executor import (
     CpuExecutor,
@@ -25,7 +26,7 @@ from pagedinfer.kernels.cpu.executor import (
     find_grids,
     library_layers,
 )
-from pagedinfer.kernels.cpu.gemms import PairsOnLibraryGemm
+from pagedinfer.kernels.cpu.gemms import LibraryBf16Gemm
 from pagedinfer.service.models.llama import LlamaModel, ModelConfig
 
 pytestmark = pytest.mark.skipif(
@@ -240,19 +241,32 @@ def test_a_position_in_more_than_two_kinds_is_refused() -> None:
     assert two is not None and two.second_kinds == (grid_gemm.SCALED8,) * 4
 
 
-@pytest.mark.parametrize("new_tokens", [[1, 1, 1], [5, 1, 3], [40, 1]], ids=str)
-def test_bf16_products_over_a_bf16_cache_give_the_layered_logits_and_cache(
-    new_tokens: list[int],
-) -> None:
-    """A model served with bf16 products (`--dtype bfloat16`) keeps K and V in a bf16
-    cache: the fused step and the layer-by-layer path round and read them alike."""
+BF16_LAYER_KINDS = [grid_gemm.BF16_DOT, grid_gemm.BF16]
+
+
+def bf16_executor(kind: str) -> CpuExecutor:
+    """The grid model's weights rounded to bf16, served with bf16 products, its layers'
+    weights in `kind` (what `bf16_layer_kind` picks on one CPU or another)."""
     model = grid_model(seed=1)
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(param.bfloat16().float())
-    executor = cpu.prepare(model, BLOCK_SIZE, bf16_products=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(executor_module, "bf16_layer_kind", lambda: kind)
+        executor = cpu.prepare(model, BLOCK_SIZE, bf16_products=True)
     assert executor is not None and executor.fused is not None
-    assert executor.fused.kinds[:4] == (grid_gemm.BF16_DOT,) * 4
+    assert executor.fused.kinds[:4] == (kind,) * 4
+    return executor
+
+
+@pytest.mark.parametrize("kind", BF16_LAYER_KINDS)
+@pytest.mark.parametrize("new_tokens", [[1, 1, 1], [5, 1, 3], [40, 1]], ids=str)
+def test_bf16_products_over_a_bf16_cache_give_the_layered_logits_and_cache(
+    new_tokens: list[int], kind: str
+) -> None:
+    """A model served with bf16 products (`--dtype bfloat16`) keeps K and V in a bf16
+    cache: the fused step and the layer-by-layer path round and read them alike."""
+    executor = bf16_executor(kind)
     lengths = [20, 47, 33][: len(new_tokens)]
     base = prefilled(executor, lengths, dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(sum(new_tokens))
@@ -265,25 +279,15 @@ def test_bf16_products_over_a_bf16_cache_give_the_layered_logits_and_cache(
     assert logits.isfinite().all()
 
 
-def bf16_executor() -> CpuExecutor:
-    """The grid model's weights rounded to bf16, served with bf16 products."""
-    model = grid_model(seed=1)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(param.bfloat16().float())
-    executor = cpu.prepare(model, BLOCK_SIZE, bf16_products=True)
-    assert executor is not None and executor.fused is not None
-    return executor
-
-
-def test_bf16_pairs_on_the_library_multiply_the_weights_bf16_values() -> None:
-    """The library GEMM over a bf16-pairs weight unpacks exactly the bf16 weight, and its
+@pytest.mark.parametrize("kind", BF16_LAYER_KINDS)
+def test_the_library_gemm_multiplies_the_weights_bf16_values(kind: str) -> None:
+    """The library GEMM over bf16 tiles or pairs unpacks exactly the bf16 weight, and its
     product is the library's over the rows rounded to bf16, near the grid GEMM's."""
     gen = torch.Generator().manual_seed(7)
     weight = torch.randn(128, 256, generator=gen) * 0.05
-    pairs = grid_gemm.rebuilt(weight, grid_gemm.BF16_DOT)
+    pairs = grid_gemm.rebuilt(weight, kind)
     bias = torch.randn(128, generator=gen)
-    gemm = PairsOnLibraryGemm(pairs, bias)
+    gemm = LibraryBf16Gemm(pairs, bias)
     assert torch.equal(gemm.dense(), weight.bfloat16())
     x = torch.randn(70, 256, generator=gen)
     expected = torch.nn.functional.linear(x.bfloat16(), weight.bfloat16()).float() + bias
@@ -295,11 +299,12 @@ def test_bf16_pairs_on_the_library_multiply_the_weights_bf16_values() -> None:
     assert torch.equal(out, 1 + expected)
 
 
-def test_steps_of_many_tokens_go_to_the_library_and_small_ones_stay_fused() -> None:
+@pytest.mark.parametrize("kind", BF16_LAYER_KINDS)
+def test_steps_of_many_tokens_go_to_the_library_and_small_ones_stay_fused(kind: str) -> None:
     """With the library layers on (CPUs with AMX tiles), a step of `library_rows` tokens
     or more runs layer by layer on them, close to the grid GEMMs' logits and K/V; a
     smaller step still takes the fused step and gives its bits."""
-    executor = bf16_executor()
+    executor = bf16_executor(kind)
     base = prefilled(executor, [20, 9], room=80, dtype=torch.bfloat16)
     prompt = [(0, [3 + i % 50 for i in range(70)], 20), (1, [8], 9)]
     grid_cache = base.copy()

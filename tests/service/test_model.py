@@ -448,13 +448,14 @@ def test_bfloat16_multiplies_in_bf16_and_keeps_the_rest_in_fp32(
     make_tiny_model: Callable[..., Path], preset: str, overrides: dict, products: bool
 ) -> None:
     """An engine asked for bf16 on a CPU with AVX512-BF16 serves a model its executor
-    implements with bf16 products in the layers' GEMMs (`grid_gemm.BF16_DOT`), K and V
+    implements with bf16 weights in the layers' GEMMs (`bf16_layer_kind`), K and V
     in a bf16 cache and fp32 everywhere else (Qwen2's q/k/v biases included); one with
     o_proj or MLP biases stays bf16 throughout.
     Either way the logits stay as near fp32's as transformers' bf16 logits are, as do
     those of the model's own forward in fp32 over a bf16 cache (what serves while the
     kernels compile)."""
     from pagedinfer.kernels.cpu import grid_gemm
+    from pagedinfer.kernels.cpu.executor import bf16_layer_kind
     from pagedinfer.service.config import EngineConfig
     from pagedinfer.service.engine import LLMEngine
 
@@ -476,7 +477,8 @@ def test_bfloat16_multiplies_in_bf16_and_keeps_the_rest_in_fp32(
     executor = runner.executor
     if products:
         assert executor is not None and executor.active and executor.mode == "rebuilt"
-        assert executor.fused.kinds == (grid_gemm.BF16_DOT,) * 4 + (grid_gemm.BF16,)
+        layers = (bf16_layer_kind(),) * 4
+        assert executor.fused.kinds == (*layers, grid_gemm.BF16)
     gen = torch.Generator().manual_seed(3)
     token_lists = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (90, 7, 1)]
     theirs = hf_logits(path, token_lists, torch.bfloat16)
