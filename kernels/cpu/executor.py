@@ -63,8 +63,8 @@ log = logging.getLogger(__name__)
 WARM_UP_THREAD = "cpu-executor-warm-up"
 # With bf16 products on a CPU with AMX tiles, steps of at least this many tokens run layer
 # by layer on the matmul library's bf16 GEMMs (`LibraryBf16Gemm`): from here on their
-# rate (over 1 TFLOP/s on 2 cores) outweighs unpacking the weights at every call, where
-# the grid GEMM's bf16 pairs run at about half its fp32 rate on such a CPU.
+# rate (over 1 TFLOP/s on 2 cores) outweighs unpacking the weights at every call and the
+# layer-by-layer path's overhead. Smaller steps keep the fused step.
 LIBRARY_MIN_ROWS = 64
 # How long a child process may take to compile the kernels before the server gives up
 # on it (the model's torch forward then keeps serving).
@@ -798,8 +798,8 @@ def choose_grids(
     value of the position is a bf16 (or every one an fp16: a checkpoint stored in that
     type), else in fp32. bf16_products: every layer's weights as bf16 values in the kind
     `bf16_layer_kind` picks, and the LM head's in `grid_gemm.BF16`, multiplied in fp32
-    (`greedy_argmax` proves its tokens for fp32 products). None where a GEMM past q/k/v has a bias
-    (`unfused_biases`) or a shape does not tile."""
+    (`greedy_argmax` proves its tokens for fp32 products). None where a GEMM past q/k/v
+    has a bias (`unfused_biases`) or a shape does not tile."""
     from pagedinfer.kernels.cpu import grid_gemm
 
     if unfused_biases(model.config):

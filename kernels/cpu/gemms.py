@@ -1,7 +1,7 @@
 """The GEMMs the CPU executor runs, one object per weight: the matmul library's packed
 layouts (MKL's for fp32, oneDNN's for bf16 where the CPU has native bf16), the grid
 GEMM (`grid_gemm`) for weights that lie on a quantisation grid, and the library's bf16
-GEMM over a grid GEMM's bf16 pairs, for steps of many rows on CPUs with AMX tiles.
+GEMM over the grid GEMM's bf16 tiles, for steps of many rows on CPUs with AMX tiles.
 
 Each takes x [rows, in_features] and gives x @ W.T (+ bias), or adds it into `out`.
 A packed weight serves a batch of any size; the batch hint only tunes its layout.
@@ -35,7 +35,7 @@ def onednn_bf16_available(dtype: torch.dtype) -> bool:
 
 def amx_bf16() -> bool:
     """Whether this CPU has AMX tiles for the matmul library's bf16 GEMMs: there they run
-    several times the rate of the grid GEMM's bf16 pairs once a step has a few dozen rows."""
+    several times the grid GEMMs' rate once a step has a few dozen rows."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     return bool(probe()) and torch.backends.mkldnn.is_available()
 
