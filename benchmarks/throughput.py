@@ -440,8 +440,8 @@ def resolve_model(model: str) -> tuple[str | None, Path, Path | None]:
     its weights on no grid (`peers/noisy_checkpoint.py`), "noisy-bf16" those weights
     stored in bf16 (as most checkpoints are published), "qwen2-shaped" a Qwen2.5-0.5B-
     shaped checkpoint of random weights (`peers/shaped_checkpoint.py`), anything else a
-    local Hugging Face directory or .gguf file. The GGUF file is None where the model has none, and
-    llama.cpp is then skipped.
+    local Hugging Face directory or .gguf file. The GGUF file is None where the model has
+    none, and llama.cpp is then skipped.
     """
     from pagedinfer.service.loader import (
         default_gguf_path,

@@ -33,8 +33,9 @@ def supports(model_config: Any) -> bool:
 def bf16_products_serve(model_config: Any) -> bool:
     """Whether the executor serves this model in bf16 (--dtype bfloat16) with its own
     kernels: the layers' GEMMs multiply bf16 weights (`executor.bf16_layer_kind`), and the
-    rest runs in fp32. Needs AVX512-BF16, the compiled kernels, every feature implemented and no
-    bias past q/k/v's; elsewhere bf16 runs on the matmul library's bf16 GEMMs and torch ops."""
+    rest runs in fp32. Needs AVX512-BF16, the compiled kernels, every feature implemented
+    and no bias past q/k/v's; elsewhere bf16 runs on the matmul library's bf16 GEMMs and
+    torch ops."""
     from pagedinfer.kernels import torch_ops
 
     native = bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())

@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 WARM_UP_THREAD = "cpu-executor-warm-up"
 # With bf16 products on a CPU with AMX tiles, steps of at least this many tokens run layer
 # by layer on the matmul library's bf16 GEMMs (`LibraryBf16Gemm`): from here on their
-# rate (over 1 TFLOP/s on 2 cores) outweighs unpacking the weights at every call and the
+# rate (0.9-2.5 TFLOP/s on 2 cores of an Emerald Rapids) outweighs unpacking the weights at every call and the
 # layer-by-layer path's overhead. Smaller steps keep the fused step.
 LIBRARY_MIN_ROWS = 64
 # How long a child process may take to compile the kernels before the server gives up
@@ -149,10 +149,9 @@ class CpuExecutor:
         self.compiled = compiled  # the ops between the GEMMs and attention in numba kernels
         self.layers: list[_Layer] = []
         self.lm_head: Gemm | None = None
-        # The same layers on the library's bf16 GEMMs, for steps of `library_rows` tokens
-        # or more; None where those steps keep the grid GEMMs.
+        # The same layers on the library's bf16 GEMMs, for steps of `LIBRARY_MIN_ROWS`
+        # tokens or more; None where those steps keep the grid GEMMs.
         self.library_layers: list[_Layer] | None = None
-        self.library_rows = LIBRARY_MIN_ROWS
         self.fused: Any = None  # fused_step.FusedWeights
         self.argmax: Any = None  # greedy_argmax.ArgmaxWeights
         # int64 [threads, phases, 2], or None: each fused step adds the cycles its workers
@@ -553,7 +552,7 @@ class CpuExecutor:
         rope = self.model.rotary(positions)
         attn.compiled = self.compiled
         layers = self.layers
-        if self.library_layers is not None and hidden.shape[0] >= self.library_rows:
+        if self.library_layers is not None and hidden.shape[0] >= LIBRARY_MIN_ROWS:
             layers = self.library_layers
         elif self.fused is not None:
             out = self._fused_step(hidden, rope, kv_caches, attn, logits_indices, greedy)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -105,12 +105,12 @@ class FusedWeights:
     # int64 [4, layers]: each layer's index in its position's first stack, or -1 - its
     # index in the second.
     layer_slots: np.ndarray
+    # fp32 [layers, q/k/v outputs]: the q/k/v biases (Qwen2's), added to the product
+    # before the rotation; [layers, 0] for a model without them.
+    qkv_bias: np.ndarray
     # The LM head as `greedy_argmax` picks greedy rows' tokens from it; None: every row's
     # logits are computed.
     argmax: greedy_argmax.ArgmaxWeights | None = None
-    # fp32 [layers, q/k/v outputs]: the q/k/v biases (Qwen2's), added to the product
-    # before the rotation; [layers, 0] for a model without them.
-    qkv_bias: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))
 
     @classmethod
     def stack(

@@ -310,16 +310,17 @@ def assert_near(ours: torch.Tensor, theirs: torch.Tensor, share: float = 0.01) -
 
 @pytest.mark.parametrize("kind", BF16_LAYER_KINDS)
 def test_steps_of_many_tokens_go_to_the_library_and_small_ones_stay_fused(kind: str) -> None:
-    """With the library layers on (CPUs with AMX tiles), a step of `library_rows` tokens
+    """With the library layers on (CPUs with AMX tiles), a step of `LIBRARY_MIN_ROWS` tokens
     or more runs layer by layer on them, close to the grid GEMMs' logits and K/V; a
     smaller step still takes the fused step and gives its bits."""
     executor = bf16_executor(kind)
     executor.library_layers = None  # the reference: grid GEMMs whatever the rows (AMX too)
     base = prefilled(executor, [20, 9], room=80, dtype=torch.bfloat16)
     prompt = [(0, [3 + i % 50 for i in range(70)], 20), (1, [8], 9)]
+    assert 71 >= executor_module.LIBRARY_MIN_ROWS > 2
     grid_cache = base.copy()
     grid_logits = run(grid_cache, executor, prompt, fused=False)
-    executor.library_layers, executor.library_rows = library_layers(executor.layers), 64
+    executor.library_layers = library_layers(executor.layers)
     try:
         library_cache = base.copy()
         fused_step_called = []
@@ -606,6 +607,7 @@ def test_a_step_keeps_its_setup_for_the_next_step_of_its_shape_and_no_other() ->
         second_codes=(empty,) * 4,
         second_scales=(empty,) * 4,
         layer_slots=np.zeros((4, 3), np.int64),
+        qkv_bias=np.zeros((3, 0), np.float32),
     )
     scratch = fused_step.StepScratch()
     shape = fused_step.StepShape(256, 4, 2, 64, 512, 512, BLOCK_SIZE)
