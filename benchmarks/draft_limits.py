@@ -26,11 +26,14 @@ Prints one JSON object; --out saves it too.
 
 from __future__ import annotations
 
-# First, before torch loads: the engine's OpenMP settings (`pagedinfer.service`).
-import pagedinfer.service  # noqa: F401  # isort: skip
+# First, before torch loads: the engine's OpenMP settings (`pagedinfer.service.openmp`).
+import os  # isort: skip
+
+from pagedinfer.service.openmp import spin_env  # isort: skip
+
+os.environ.update(spin_env())
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path

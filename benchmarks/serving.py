@@ -28,12 +28,15 @@ Prints one JSON object and saves a PNG plot.
 
 from __future__ import annotations
 
-# First, before torch loads: the engine's OpenMP settings (`pagedinfer.service`).
-import pagedinfer.service  # noqa: F401  # isort: skip
+# First, before torch loads: the engine's OpenMP settings (`pagedinfer.service.openmp`).
+import os  # isort: skip
+
+from pagedinfer.service.openmp import spin_env  # isort: skip
+
+os.environ.update(spin_env())
 import argparse
 import asyncio
 import json
-import os
 import signal
 import socket
 import statistics

@@ -25,12 +25,15 @@ A peer or file not set up is skipped, with the reason in the JSON.
 
 from __future__ import annotations
 
-# First, before torch loads: the engine's OpenMP settings (`pagedinfer.service`).
-import pagedinfer.service  # noqa: F401  # isort: skip
+# First, before torch loads: the engine's OpenMP settings (`pagedinfer.service.openmp`).
+import os  # isort: skip
+
+from pagedinfer.service.openmp import spin_env  # isort: skip
+
+os.environ.update(spin_env())
 import argparse
 import gc
 import json
-import os
 import platform
 import statistics
 import subprocess

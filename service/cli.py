@@ -13,6 +13,8 @@ import logging
 import os
 import sys
 
+from pagedinfer.service.openmp import spin_env
+
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("pagedinfer.service.server", "run the gRPC inference server"),
     "generate": (
@@ -25,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "operator": ("pagedinfer.operator.main", "run the Kubernetes operator"),
 }
+# The subcommands that run an engine in this process, and so want its OpenMP settings.
+ENGINE_COMMANDS = ("serve", "generate")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -42,6 +46,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = _command(argv)
+    if command in ENGINE_COMMANDS:  # before torch loads, or libgomp never reads it
+        os.environ.update(spin_env())
     parser = build_parser(command if command in COMMANDS else None)
     args = parser.parse_args(argv)
     module = importlib.import_module(COMMANDS[args.command][0])

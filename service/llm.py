@@ -1,20 +1,33 @@
-"""The offline API of DESIGN.md section 3: `LLM().generate(prompts, SamplingParams(...))`."""
+"""The offline API (docs/architecture.md section 8): `LLM().generate(prompts,
+SamplingParams(...))`.
+
+The engine (and with it torch) is imported when an `LLM` is made, after the CPU engine's
+OpenMP settings are applied (`openmp.spin_env`): they count only before torch loads.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
+from pagedinfer.service import openmp
 from pagedinfer.service.config import EngineConfig
-from pagedinfer.service.engine import LLMEngine
 from pagedinfer.service.outputs import CompletionOutput, RequestOutput
 from pagedinfer.service.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedinfer.service.engine import LLMEngine
 
 
 class LLM:
     """Batch generation in this process: every prompt runs to completion in one call."""
 
     def __init__(self, model: str | None = None, **engine_args):
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        os.environ.update(openmp.spin_env())
+        from pagedinfer.service.engine import LLMEngine
+
+        self.engine: LLMEngine = LLMEngine(EngineConfig(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
 
     def generate(

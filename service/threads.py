@@ -61,6 +61,6 @@ def configure_cpu_threads(num_threads: int | None, cgroup_root: Path = CGROUP_RO
 
 def openmp_spin() -> str:
     """How OpenMP's threads wait after a parallel region, as libgomp was told (see
-    `pagedinfer.service`): GOMP_SPINCOUNT (which libgomp takes over the policy), else
+    `pagedinfer.service.openmp`): GOMP_SPINCOUNT (which libgomp takes over the policy), else
     OMP_WAIT_POLICY, else "default" (300,000 spins)."""
     return os.environ.get("GOMP_SPINCOUNT") or os.environ.get("OMP_WAIT_POLICY", "default")

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedinfer.service import OPENMP_SPIN_COUNT
 from pagedinfer.service.config import EngineConfig
+from pagedinfer.service.openmp import OPENMP_SPIN_COUNT, spin_env
 from pagedinfer.service.threads import cgroup_cpu_limit, configure_cpu_threads, openmp_spin
 
 
@@ -84,28 +84,67 @@ def test_bad_thread_counts_are_refused(bad: object) -> None:
         EngineConfig(num_threads=bad)  # type: ignore[arg-type]
 
 
-def spin_setting(env: dict[str, str], torch_first: bool = False) -> str:
-    """GOMP_SPINCOUNT as libgomp would read it in a fresh process that imports the
-    engine's package (after torch when torch_first)."""
-    code = "import os\n"
-    code += "import torch\n" if torch_first else ""
-    code += "import pagedinfer.service\nprint(os.environ.get('GOMP_SPINCOUNT', 'unset'))\n"
-    keep = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    done = subprocess.run(
-        [sys.executable, "-c", code], env={**keep, **env}, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip()
-
-
-def test_openmp_threads_spin_briefly_unless_the_operator_chose() -> None:
+@pytest.mark.parametrize(
+    ("environ", "torch_loaded", "expected"),
+    [
+        ({}, False, {"GOMP_SPINCOUNT": OPENMP_SPIN_COUNT}),
+        ({"GOMP_SPINCOUNT": "1000"}, False, {}),  # the operator's count stands
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, False, {}),  # and so does their policy
+        ({}, True, {}),  # libgomp has read its settings: nothing that would not hold
+    ],
+)
+def test_openmp_threads_spin_briefly_unless_the_operator_chose(
+    environ: dict[str, str], torch_loaded: bool, expected: dict[str, str]
+) -> None:
     """OpenMP's threads must not hold a core long after torch's ops: the engine's own
-    kernel threads need it (pagedinfer.service sets libgomp's spin before torch loads)."""
-    assert spin_setting({}) == OPENMP_SPIN_COUNT
-    assert spin_setting({"GOMP_SPINCOUNT": "1000"}) == "1000"
-    assert spin_setting({"OMP_WAIT_POLICY": "ACTIVE"}) == "unset"
-    # Once torch is loaded libgomp has read its settings: nothing is set that would not hold.
-    assert spin_setting({}, torch_first=True) == "unset"
+    kernel threads need it."""
+    assert spin_env(environ, torch_loaded) == expected
+
+
+def run_fresh(code: str) -> list[str]:
+    """The printed lines of `code` run in a fresh interpreter, without the operator's
+    OpenMP settings."""
+    keep = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    done = subprocess.run([sys.executable, "-c", code], env=keep, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def test_importing_the_package_changes_no_environment_variable() -> None:
+    code = (
+        "import os, sys\n"
+        "before = dict(os.environ)\n"
+        "import pagedinfer.service, pagedinfer.service.llm, pagedinfer.service.cli\n"
+        "print(dict(os.environ) == before, 'torch' in sys.modules)\n"
+    )
+    assert run_fresh(code) == ["True", "False"]
+
+
+def test_the_engine_entry_points_set_the_spin_before_torch_loads() -> None:
+    """`pagedinfer serve`/`generate` and the offline `LLM` set it as they start, before
+    they import torch (a bad argument stops each right after)."""
+    cli = (
+        "import os, sys\n"
+        "from pagedinfer.service import cli\n"
+        "try:\n"
+        "    cli.main(['generate', '--no-such-flag'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(os.environ.get('GOMP_SPINCOUNT', 'unset'))\n"
+    )
+    assert run_fresh(cli) == [OPENMP_SPIN_COUNT]
+    offline = (
+        "import os\n"
+        "from pagedinfer.service import LLM\n"
+        "try:\n"
+        "    LLM(block_size=0)\n"
+        "except ValueError:\n"
+        "    pass\n"
+        "print(os.environ.get('GOMP_SPINCOUNT', 'unset'))\n"
+    )
+    assert run_fresh(offline) == [OPENMP_SPIN_COUNT]
+    simulate = cli.replace("'generate'", "'simulate'")  # no engine: nothing to set
+    assert run_fresh(simulate) == ["unset"]
 
 
 def test_the_spin_reported_is_the_setting_libgomp_reads(monkeypatch: pytest.MonkeyPatch) -> None:
