@@ -22,7 +22,7 @@ class EngineConfig:
     """
 
     model: str | None = None  # None = the embedded default model
-    dtype: str = "auto"  # auto = float32 on CPU, the checkpoint's dtype on GPU
+    dtype: str = "auto"  # auto: the checkpoint's where the hardware multiplies it (dtypes.py)
     device: str = "auto"  # auto = cuda when available, else cpu
     block_size: int = 16
     num_gpu_blocks: int | None = None

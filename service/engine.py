@@ -18,10 +18,9 @@ from functools import partial
 
 import torch
 
-from pagedinfer.kernels import torch_ops
-from pagedinfer.service import prompts, spec_decode
+from pagedinfer.service import dtypes, prompts, spec_decode
 from pagedinfer.service.config import EngineConfig
-from pagedinfer.service.loader import load_model
+from pagedinfer.service.loader import load_model, stored_dtype
 from pagedinfer.service.model_runner import ModelOutput, ModelRunner, served_from_store
 from pagedinfer.service.outputs import CompletionDelta
 from pagedinfer.service.request import Request, RequestStatus
@@ -78,20 +77,16 @@ def resolve_device(config: EngineConfig) -> torch.device:
 
 
 def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
-    if device.type != "cpu":
-        return torch.bfloat16 if config.dtype == "auto" else getattr(torch, config.dtype)
-    # bf16 matmuls are hundreds of times slower than fp32 on CPUs without native bf16,
-    # and about twice as fast on those with AVX512-BF16 (the model runner then multiplies
-    # in bf16, keeps a bf16 KV cache and the rest in fp32: `bf16_products_serve`): fp32
-    # stays the default (exact against the fp32 reference), with a hint where bf16 pays.
-    native = torch_ops.native_bf16()
-    if config.dtype == "auto":
-        if native:
-            log.info("this CPU has native bf16 matmul: --dtype bfloat16 serves faster than fp32")
-        return torch.float32
-    if config.dtype == "bfloat16" and not native:
+    """The dtype the model computes in (`dtypes.choose_dtype`: for auto, the checkpoint's
+    where the hardware multiplies it natively), logged with the reason."""
+    checkpoint = stored_dtype(config.model) if config.dtype == "auto" else None
+    flags = dtypes.cpu_flags() if device.type == "cpu" else frozenset()
+    choice = dtypes.choose_dtype(config.dtype, checkpoint, device.type, flags)
+    log.info(choice.reason)
+    native = flags & dtypes.NATIVE_BF16_FLAGS
+    if device.type == "cpu" and choice.dtype == "bfloat16" and not native:
         log.warning("this CPU has no native bf16 matmul: bfloat16 runs far slower than float32")
-    return getattr(torch, config.dtype)
+    return getattr(torch, choice.dtype)
 
 
 class LLMEngine:

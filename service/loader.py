@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from pagedinfer.service import gguf_convert
+from pagedinfer.service import dtypes, gguf_convert
 from pagedinfer.service.gguf_grids import block_grids, tensor_index
 from pagedinfer.service.models import DecoderModel, ModelConfig, build_model
 from pagedinfer.service.models.hf_config import (
@@ -184,30 +184,8 @@ def load_model(
     Raises ValueError naming what was found for a missing path or an unsupported model.
     """
     device = torch.device(device)
-    gguf_file = None
-    if model is None:
-        gguf_file = default_gguf_path()
-        path = ensure_converted_gguf(gguf_file)
-    else:
-        path = Path(model).expanduser()
-        if not path.exists():
-            raise ValueError(
-                f"model path not found: {path} (give a local Hugging Face directory or a "
-                ".gguf file; nothing is downloaded)"
-            )
-        if path.is_file():
-            if path.suffix != ".gguf":
-                raise ValueError(
-                    f"model file {path} is not a .gguf file; "
-                    "give a GGUF file or a Hugging Face model directory"
-                )
-            gguf_file = path
-            path = ensure_converted_gguf(path)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        found = sorted(p.name for p in path.iterdir())[:10]
-        raise ValueError(f"{path} has no config.json (found: {found})")
-    raw = json.loads(config_file.read_text())
+    path, gguf_file = _model_directory(model)
+    raw = _raw_config(path)
     config = model_config_from_hf(raw, max_model_len, name=_model_name(model, path))
     weight_files = sorted(path.glob("*.safetensors"))
     if not weight_files:
@@ -236,6 +214,43 @@ def load_model(
             [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         )
     return LoadedModel(module, config, tokenizer, path, deferred)
+
+
+def stored_dtype(model: str | os.PathLike[str] | None) -> str | None:
+    """The dtype the model's checkpoint stores its weights in ("bfloat16", ...; float32
+    for a GGUF file, which loads dequantised), as its config.json says; None where it
+    names none (`dtypes.checkpoint_dtype`). Raises ValueError as `load_model` does."""
+    return dtypes.checkpoint_dtype(_raw_config(_model_directory(model)[0]))
+
+
+def _model_directory(model: str | os.PathLike[str] | None) -> tuple[Path, Path | None]:
+    """The Hugging Face directory to load `model` from (a GGUF file converted once), and
+    the GGUF file it came from, if any."""
+    if model is None:
+        gguf_file = default_gguf_path()
+        return ensure_converted_gguf(gguf_file), gguf_file
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(
+            f"model path not found: {path} (give a local Hugging Face directory or a "
+            ".gguf file; nothing is downloaded)"
+        )
+    if not path.is_file():
+        return path, None
+    if path.suffix != ".gguf":
+        raise ValueError(
+            f"model file {path} is not a .gguf file; "
+            "give a GGUF file or a Hugging Face model directory"
+        )
+    return ensure_converted_gguf(path), path
+
+
+def _raw_config(path: Path) -> dict[str, Any]:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        found = sorted(p.name for p in path.iterdir())[:10]
+        raise ValueError(f"{path} has no config.json (found: {found})")
+    return json.loads(config_file.read_text())
 
 
 def _load_module(
