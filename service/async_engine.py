@@ -104,6 +104,7 @@ class AsyncLLMEngine:
                 await self._task
             self._task = None
         self._executor.shutdown(wait=True)
+        self.engine.close()
 
     async def warmup(self) -> None:
         stream = self.add_request([0, 1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))

@@ -43,7 +43,13 @@ class KVCacheStats:
 
 
 def hash_block(prev_hash: bytes | None, token_ids: Sequence[int], cache_salt: str | None) -> bytes:
-    """h_i = sha256(h_{i-1}, tokens of block i, cache_salt)."""
+    """h_i = sha256(h_{i-1}, tokens of block i, cache_salt).
+
+    Exactly: sha256 over the previous digest (nothing for the first block), the salt's
+    UTF-8 length as 4 bytes little-endian, the salt, and each token id as 8 bytes
+    little-endian. Nothing per process goes in, so every replica and restart names a
+    prefix the same, and a router can compute the keys from token ids (kv_events.py).
+    """
     h = hashlib.sha256(prev_hash or b"")
     salt = (cache_salt or "").encode()
     h.update(len(salt).to_bytes(4, "little") + salt)  # length prefix: salts never run into tokens
@@ -59,6 +65,8 @@ class BlockPool:
         self._free = list(range(num_blocks - 1, -1, -1))  # plain free blocks; pop() = lowest id
         self._evictable: OrderedDict[int, None] = OrderedDict()  # free cached blocks, LRU first
         self.cached: dict[bytes, Block] = {}
+        # Prefix-cache changes for KV events (kv_events.py); None while events are off.
+        self.events: list[tuple] | None = None
 
     @property
     def num_free(self) -> int:
@@ -71,6 +79,8 @@ class BlockPool:
         else:
             block = self.blocks[self._evictable.popitem(last=False)[0]]
             del self.cached[block.block_hash]
+            if self.events is not None:
+                self.events.append(("removed", [block.block_hash]))
             block.block_hash = None
         block.ref_count = 1
         return block
@@ -89,10 +99,26 @@ class BlockPool:
             else:
                 self._evictable[block.block_id] = None
 
-    def cache(self, block: Block, block_hash: bytes) -> None:
+    def cache(self, block: Block, block_hash: bytes) -> bool:
+        """Enter the block into the prefix cache; False if it or its hash is there already."""
         if block.block_hash is None and block_hash not in self.cached:
             block.block_hash = block_hash
             self.cached[block_hash] = block
+            return True
+        return False
+
+    def clear_cache(self) -> bool:
+        """Forget every cached prefix; False (and no change) while any block is in use."""
+        if len(self._free) + len(self._evictable) < len(self.blocks):
+            return False
+        for block_id in self._evictable:
+            self.blocks[block_id].block_hash = None
+            self._free.append(block_id)
+        self._evictable.clear()
+        self.cached.clear()
+        if self.events is not None:
+            self.events.append(("cleared",))
+        return True
 
 
 class KVCacheManager:
@@ -152,6 +178,43 @@ class KVCacheManager:
         self._block_hashes: dict[str, list[bytes]] = {}  # hashes of each request's full blocks
         self._num_freed: dict[str, int] = {}  # leading FREED entries of each request's table
         self._pending_copies: list[tuple[int, int]] = []
+        # hash -> (parent hash, token ids, extra keys, depth) of each cached block, kept
+        # while KV events are on so that a publisher can store the whole cache again.
+        self._stored: dict[bytes, tuple] | None = None
+
+    def enable_events(self, on: bool = True) -> None:
+        """Record prefix-cache changes for `take_events` (KV events, kv_events.py), or
+        stop recording them."""
+        if not on:
+            self.pool.events = self._stored = None
+        elif self.enable_prefix_caching and self.pool.events is None:
+            self.pool.events = []
+            self._stored = {}
+
+    def take_events(self) -> list[tuple]:
+        """The prefix-cache changes since the last call, oldest first (kv_events.RawEvent)."""
+        events = self.pool.events
+        if not events:
+            return []
+        self.pool.events = []
+        if self._stored is not None and any(e[0] != "stored" for e in events):
+            # A hash evicted and stored again in one step is cached: keep its record.
+            cached = self.pool.cached
+            self._stored = {h: info for h, info in self._stored.items() if h in cached}
+        return events
+
+    def cached_block_events(self) -> list[tuple]:
+        """Records storing every cached block again, parents first (after dropped events)."""
+        if self._stored is None:
+            return []
+        blocks = sorted(
+            (info[3], h, info) for h, info in self._stored.items() if h in self.pool.cached
+        )
+        return [("stored", [h], info[0], info[1], [info[2]]) for _, h, info in blocks]
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache; False (and no change) while any request holds blocks."""
+        return self.pool.clear_cache()
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks a request holding num_tokens tokens occupies under this policy."""
@@ -235,11 +298,27 @@ class KVCacheManager:
         # Cached as soon as allocated: the model writes a step's KV before any attention
         # reads it, so a request admitted in the same step may already share the block.
         hashes = self._block_hashes.setdefault(request.request_id, [])
-        tokens, size = request.all_token_ids, self.block_size
+        tokens, size, salt = request.all_token_ids, self.block_size, request.cache_salt
+        stored = None  # the run of blocks this call stores, for one BlockStored event
         for i in range(len(hashes), num_tokens // size):
             prev = hashes[-1] if hashes else None
-            hashes.append(hash_block(prev, tokens[i * size : (i + 1) * size], request.cache_salt))
-            self.pool.cache(self.pool.blocks[request.block_table[i]], hashes[-1])
+            block_tokens = tokens[i * size : (i + 1) * size]
+            hashes.append(hash_block(prev, block_tokens, salt))
+            added = self.pool.cache(self.pool.blocks[request.block_table[i]], hashes[-1])
+            if self.pool.events is None:
+                continue
+            if not added:
+                stored = None
+                continue
+            # vLLM puts cache_salt in the extra keys of a request's first block only.
+            extra = (salt,) if salt and i == 0 else None
+            self._stored[hashes[-1]] = (prev, block_tokens, extra, i)
+            if stored is None:
+                stored = ("stored", [], prev, [], [])
+                self.pool.events.append(stored)
+            stored[1].append(hashes[-1])
+            stored[3].extend(block_tokens)
+            stored[4].append(extra)
 
     def free_outside_window(self, request: Request) -> int:
         """Release the request's leading blocks that no layer can read again; returns how

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Any, Literal
 
 AllocationPolicy = Literal["paged", "contiguous"]
 # A draft this long is verified in one pass; longer ones mostly waste compute on the
@@ -51,8 +51,15 @@ class EngineConfig:
     # model's torch forward serves, instead of before the engine starts (a server that
     # should report ready quickly sets it).
     compile_in_background: bool = False
+    # KV-cache events for prefix-aware routers: vLLM's --kv-events-config, as JSON text,
+    # a mapping or a kv_events.KVEventsConfig (None = off).
+    kv_events_config: Any = None
 
     def __post_init__(self) -> None:
+        if self.kv_events_config is not None:
+            from pagedinfer.service.kv_events import parse_kv_events_config
+
+            self.kv_events_config = parse_kv_events_config(self.kv_events_config)
         _positive("block_size", self.block_size)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -168,6 +175,12 @@ def add_engine_arguments(parser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     g.add_argument("--max-model-len", type=int, default=d.max_model_len)
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="publish prefix-cache events for routers, vLLM's JSON, e.g. "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\' (default: off)',
+    )
     g.add_argument(
         "--allocation-policy", default=d.allocation_policy, choices=["paged", "contiguous"]
     )

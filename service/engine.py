@@ -20,6 +20,7 @@ import torch
 
 from pagedinfer.service import dtypes, prompts, spec_decode
 from pagedinfer.service.config import EngineConfig
+from pagedinfer.service.kv_events import create_publisher
 from pagedinfer.service.loader import load_model, stored_dtype
 from pagedinfer.service.model_runner import ModelOutput, ModelRunner, served_from_store
 from pagedinfer.service.outputs import CompletionDelta
@@ -118,6 +119,11 @@ class LLMEngine:
         self.runner = ModelRunner(config, loaded, self.device)
         # A model windowed on every layer frees the KV blocks behind its window.
         self.scheduler = Scheduler(config, self.runner.num_blocks, loaded.config.kv_window)
+        # KV-cache events for prefix-aware routers; None unless --kv-events-config.
+        medium = "GPU" if self.device.type == "cuda" else "CPU"
+        self.kv_events = create_publisher(config.kv_events_config, config.block_size, medium)
+        if self.kv_events is not None:
+            self.scheduler.kv_cache.enable_events()
         self.sampler = Sampler()
         self._groups: dict[str, _Group] = {}
         # Every sample's id, forked or not yet, -> its group's id: ids never clash.
@@ -216,13 +222,40 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> EngineStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        if self.kv_events is not None:
+            stats.kv_events_dropped = self.kv_events.dropped
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (routers hear `AllBlocksCleared`); False while any
+        request holds blocks."""
+        done = self.scheduler.kv_cache.reset_prefix_cache()
+        self._publish_kv_events()
+        return done
+
+    def close(self) -> None:
+        """Flush and close the KV event publisher; the engine steps on without it."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
+            self.scheduler.kv_cache.enable_events(False)
+
+    def _publish_kv_events(self) -> None:
+        """Hand this step's prefix-cache changes to the publisher thread (never blocks)."""
+        if self.kv_events is None:
+            return
+        kv = self.scheduler.kv_cache
+        events = kv.take_events()
+        if events or self.kv_events.resync_pending:
+            self.kv_events.publish(events, snapshot=kv.cached_block_events)
 
     # -- the step ------------------------------------------------------------------------
 
     def step(self) -> list[CompletionDelta]:
         """One step of every scheduled request; the deltas of the samples that moved."""
         out = self.scheduler.schedule()
+        self._publish_kv_events()  # blocks enter and leave the cache only in schedule()
         if not out.scheduled:
             return []
         now = time.monotonic()

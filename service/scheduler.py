@@ -63,6 +63,7 @@ class SchedulerStats:
     prefix_cache_hits: int  # cumulative tokens found in the cache
     draft_tokens: int = 0  # cumulative draft tokens verified (speculative decoding)
     accepted_draft_tokens: int = 0  # cumulative draft tokens kept
+    kv_events_dropped: int = 0  # cumulative KV event batches dropped (kv_events.py)
 
 
 class Scheduler:
