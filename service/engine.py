@@ -13,9 +13,11 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 
+import numpy as np
 import torch
 
 from pagedinfer.service import dtypes, prompts, spec_decode
@@ -34,7 +36,8 @@ from pagedinfer.service.sampler import (
     make_generator,
 )
 from pagedinfer.service.sampling_params import SamplingParams
-from pagedinfer.service.scheduler import Scheduler, SchedulerStats
+from pagedinfer.service.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from pagedinfer.service.structured_output import GrammarCompiler, GrammarMatcher, apply_masks
 from pagedinfer.service.threads import configure_cpu_threads
 
 log = logging.getLogger(__name__)
@@ -55,6 +58,7 @@ class _Sample:
     request: Request
     generator: torch.Generator | None
     text: SampleText
+    grammar: GrammarMatcher | None = None  # with a structured output: where it stands
 
 
 @dataclass
@@ -125,6 +129,9 @@ class LLMEngine:
         if self.kv_events is not None:
             self.scheduler.kv_cache.enable_events()
         self.sampler = Sampler()
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        # Fills grammar masks while the model's forward runs (llguidance drops the GIL).
+        self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="pagedinfer-grammar")
         self._groups: dict[str, _Group] = {}
         # Every sample's id, forked or not yet, -> its group's id: ids never clash.
         self._owner: dict[str, str] = {}
@@ -166,6 +173,11 @@ class LLMEngine:
             cache_salt=cache_salt,
         )
         self.scheduler.check_fits(request)
+        if params.structured_output is not None:
+            try:
+                self.grammars.check(params.structured_output)
+            except ValueError as err:
+                raise ValueError(f"structured_output: {err}") from None
         return request
 
     def add_request(
@@ -262,6 +274,7 @@ class LLMEngine:
         for s in out.scheduled:
             if s.request.first_scheduled_at is None:
                 s.request.first_scheduled_at = now
+        masks = self._start_masks(out)
         model_out = self.runner.execute(out)
         for request_id, (first, entries) in model_out.prompt_logprobs.items():
             self._add_prompt_logprobs(self._groups[self._owner[request_id]], first, entries)
@@ -270,7 +283,7 @@ class LLMEngine:
         checked: list[tuple[_Group, int, NewTokens]] = []
         sampled: dict[str, list[int]] = {}
         forks: list[tuple[Request, Request]] = []
-        for (req, index), picks in self._sample(model_out, drafts).items():
+        for (req, index), picks in self._sample(model_out, drafts, masks).items():
             group = self._groups[self._owner[req.request_id]]
             if index == req.index:
                 kept = group.samples[index].text.add(picks, req.num_output_tokens)
@@ -280,6 +293,9 @@ class LLMEngine:
                 kept = group.samples[index].text.add(picks, 0)
                 child.append_output_token(kept.token_ids[0])
                 forks.append((req, child))
+            grammar = group.samples[index].grammar
+            if grammar is not None and not grammar.accept(kept.token_ids):
+                log.warning("request %s: its grammar refused a kept token", req.request_id)
             checked.append((group, index, kept))
         self.scheduler.update_from_output(out, sampled)
         for parent, child in forks:
@@ -295,11 +311,43 @@ class LLMEngine:
             )
         return deltas
 
+    def _start_masks(self, out: SchedulerOutput) -> Future | None:
+        """The grammar masks of the constrained requests sampled this step, filled on the
+        worker thread: request id -> int32 [1 + draft length, words], row j after the
+        draft's first j tokens."""
+        jobs = []
+        for s in out.scheduled:
+            req = s.request
+            group = self._groups.get(self._owner.get(req.request_id, ""))
+            sample = None if group is None else group.samples.get(req.index)
+            reaches_end = req.num_computed_tokens + s.num_tokens == req.num_tokens + len(
+                s.draft_token_ids
+            )
+            if sample is not None and sample.grammar is not None and reaches_end:
+                jobs.append((req.request_id, sample.grammar, list(s.draft_token_ids)))
+        if not jobs:
+            return None
+
+        def fill() -> dict[str, np.ndarray]:
+            masks = {}
+            for request_id, grammar, draft in jobs:
+                masks[request_id] = np.empty((1 + len(draft), grammar.words), dtype=np.int32)
+                grammar.fill_with_draft(masks[request_id], draft)
+            return masks
+
+        return self._mask_worker.submit(fill)
+
     def _sample(
-        self, model_out: ModelOutput, drafts: dict[str, list[int]]
+        self,
+        model_out: ModelOutput,
+        drafts: dict[str, list[int]],
+        masks: Future | None = None,
     ) -> dict[tuple[Request, int], list[SampleResult]]:
         """Each sample's picks: the draft tokens the sampler picked too, then its own
-        next pick. The first rows of a request with n > 1 are sampled once per sample."""
+        next pick. The first rows of a request with n > 1 are sampled once per sample.
+        masks: from `_start_masks`; the rows of constrained requests are masked first."""
+        grammar_masks = {} if masks is None else masks.result()
+        masked: list[tuple[int, np.ndarray]] = []  # (row of `rows`, its bitmask row)
         rows: list[SamplingRow] = []
         owners: list[tuple[int, Request, int]] = []  # (logits row, request, sample index)
         checkpoints: dict[Request, spec_decode.GeneratorCheckpoint] = {}
@@ -321,14 +369,23 @@ class LLMEngine:
                         SamplingRow(group.params, group.prompt_token_ids, outputs, generator)
                     )
                     owners.append((first_row + j, req, index))
+                    if req.request_id in grammar_masks:  # forks share the first state
+                        masked.append((len(rows) - 1, grammar_masks[req.request_id][j]))
             first_row += num_rows
         logits, tokens = model_out.logits, model_out.tokens
         if len(owners) != logits.shape[0]:  # forking rows are sampled n times
             index = [i for i, *_ in owners]
             logits = logits[index]
             tokens = None if tokens is None else tokens[index]
+        if masked:
+            apply_masks(logits, [i for i, _ in masked], np.stack([m for _, m in masked]))
+        results = self.sampler(logits, rows, tokens)
+        for i, _ in masked:  # the tokens a grammar forbids are no likely alternative
+            top = results[i].top_logprobs
+            if top:
+                results[i].top_logprobs = [(t, lp) for t, lp in top if lp != float("-inf")]
         picks: dict[tuple[Request, int], list[SampleResult]] = {}
-        for (_, req, index), result in zip(owners, self.sampler(logits, rows, tokens), strict=True):
+        for (_, req, index), result in zip(owners, results, strict=True):
             picks.setdefault((req, index), []).append(result)
         for (req, index), results in picks.items():
             draft = drafts[req.request_id]
@@ -349,7 +406,9 @@ class LLMEngine:
 
     def _new_sample(self, request: Request, group: _Group, index: int) -> _Sample:
         text = SampleText(self.tokenizer, group.prompt_token_ids, group.params, self.eos_token_ids)
-        return _Sample(request, make_generator(group.params.seed, index), text)
+        spec = group.params.structured_output
+        grammar = None if spec is None else self.grammars.matcher(spec)
+        return _Sample(request, make_generator(group.params.seed, index), text, grammar)
 
     def _child(self, parent: Request, group: _Group, index: int) -> Request:
         """Sample `index` of the group, about to fork from its first sample."""

@@ -386,7 +386,10 @@ class ModelRunner:
                 logits_indices.extend(range(starts[-1] - 1 - len(draft), starts[-1]))
                 sample_requests.append(req)
                 num_rows.append(1 + len(draft))
-                greedy.extend([argmax_only(req.sampling_params)] * (1 + len(draft)))
+                # A grammar masks the logits before the pick: never the argmax alone.
+                params = req.sampling_params
+                only = argmax_only(params) and params.structured_output is None
+                greedy.extend([only] * (1 + len(draft)))
             if req.sampling_params.prompt_logprobs is not None:
                 last = min(known_end, req.num_prompt_tokens - 1)
                 if start < last:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pagedinfer.service.structured_output import StructuredOutput
+
 MAX_N = 64
 FLOAT_FIELDS = (
     "temperature",
@@ -43,6 +45,8 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # What the output must match (a JSON schema, regex, choice or grammar); None: free.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         for name in FLOAT_FIELDS:
@@ -89,6 +93,11 @@ class SamplingParams:
             raise ValueError(
                 f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}"
             )
+
+        if self.structured_output is not None and not isinstance(
+            self.structured_output, StructuredOutput
+        ):
+            raise ValueError("structured_output must be a StructuredOutput")
 
     @property
     def greedy(self) -> bool:
