@@ -10,8 +10,8 @@ tokens/s, time to first token, inter-token latency (the gaps between streamed ch
 and time per output token, as percentiles. In the same run the offline API
 (`pagedinfer.service.LLM`) serves the same work with the same engine settings and at
 most C sequences running, and the HTTP/offline ratio of output tokens/s is reported:
-serving at 32 streams should reach at least 0.9 of the offline rate (DESIGN.md
-section 8).
+serving at 32 streams should reach at least 0.9 of the offline rate
+(docs/architecture.md section 11).
 
 No run finds an earlier one's prompts in the server's prefix cache: each mixed run gets
 prompts of its own (the workload's lengths, fresh random tokens), each chat run a

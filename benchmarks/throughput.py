@@ -2,7 +2,7 @@
 decoding, contiguous) against its peers, vLLM's CPU build and llama.cpp's server (each
 in its own environment, `benchmarks/peers/`), and Hugging Face.
 
-Workloads (DESIGN.md section 8), each with fixed output lengths (EOS ignored) so every
+Workloads (docs/architecture.md section 11), each with fixed output lengths (EOS ignored) so every
 system does the same work, all requests arriving at once (offline batch): `mixed`, N
 requests of random token ids with ShareGPT-like lognormal lengths scaled down for a CPU,
 fixed seed; `chat`, real chat prompts under the model's chat template; `extraction`, real

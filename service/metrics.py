@@ -3,7 +3,7 @@
 The engine has no telemetry dependency: the KV-cache and scheduler gauges read the
 engine's latest stats snapshot when a reader collects, and the per-request latency
 histograms and spans are fed by the server from each request's stream of deltas
-(`RequestTelemetry`). Names are the contract of DESIGN.md section 5; docs/metrics.md
+(`RequestTelemetry`). Names are the contract of docs/architecture.md section 9; docs/metrics.md
 lists the Prometheus names the exporter makes of them.
 
 Exports: Prometheus text on `metrics_port` at /metrics (the operator's autoscaling
@@ -69,7 +69,7 @@ StatsSource = Callable[[], EngineStats | None]
 
 
 class ServerMetrics:
-    """The instruments of DESIGN.md section 5 on one meter provider.
+    """The instruments of docs/architecture.md section 9 on one meter provider.
 
     `stats` returns the engine's latest snapshot, or None while the model is loading
     (the gauges then report nothing rather than a misleading zero).

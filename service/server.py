@@ -1,10 +1,10 @@
 """The inference server: `pagedinfer serve`.
 
-A `grpc.aio` server over `AsyncLLMEngine` (DESIGN.md section 4): the `Inference`
+A `grpc.aio` server over `AsyncLLMEngine` (docs/architecture.md section 8): the `Inference`
 service, `grpc.health.v1.Health` (NOT_SERVING until the model is loaded and warmed up)
 and server reflection; telemetry from `pagedinfer.service.metrics`. In the same process
 and event loop, over the same engine, the OpenAI-compatible HTTP API
-(`pagedinfer.service.openai`, section 4b) on `--http-port`. The ports open before the
+(`pagedinfer.service.openai`, the same section) on `--http-port`. The ports open before the
 model loads so that probes get an answer; inference calls are UNAVAILABLE (HTTP 503)
 until then.
 

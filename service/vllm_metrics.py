@@ -1,4 +1,5 @@
-"""vLLM-named Prometheus series beside the OpenTelemetry ones (DESIGN.md section 5).
+"""vLLM-named Prometheus series beside the OpenTelemetry ones (docs/architecture.md
+section 9).
 
 Routers, gateways, KEDA blueprints and dashboards of the Kubernetes LLM stack read
 vLLM's metric names: the Gateway API Inference Extension's endpoint picker reads

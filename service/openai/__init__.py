@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API (DESIGN.md section 4b), served by `pagedinfer serve`
+"""The OpenAI-compatible HTTP API (docs/architecture.md section 8), served by `pagedinfer serve`
 beside gRPC over the same engine.
 
 `protocol` holds the request and response bodies, `errors` OpenAI's error bodies,

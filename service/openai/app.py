@@ -1,4 +1,4 @@
-"""The FastAPI application of the OpenAI-compatible API (DESIGN.md section 4b).
+"""The FastAPI application of the OpenAI-compatible API (docs/architecture.md section 8).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 POST /tokenize, POST /detokenize, GET /metrics. Every refusal is an OpenAI error body;

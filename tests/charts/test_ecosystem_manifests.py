@@ -40,7 +40,7 @@ pytest.importorskip("celpy", reason="cel-python evaluates the CRDs' CEL rules")
 POOL_CRD = "inference.networking.k8s.io_inferencepools"
 SCALEDOBJECT_CRD = "keda.sh_scaledobjects"
 POOL_API, SCALEDOBJECT_API = "inference.networking.k8s.io/v1", "keda.sh/v1alpha1"
-# The model-server-protocol series of DESIGN.md section 5 that the picker reads.
+# The model-server-protocol series of docs/architecture.md section 9 that the picker reads.
 VLLM_SERIES = {
     "vllm:num_requests_waiting",
     "vllm:num_requests_running",

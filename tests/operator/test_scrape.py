@@ -20,7 +20,7 @@ def gauge(name: str, value: float, labels: str = "") -> str:
 
 
 def test_parses_the_opentelemetry_exporters_output() -> None:
-    # The instruments of DESIGN.md section 5, through the real exporter.
+    # The instruments of docs/architecture.md section 9, through the real exporter.
     script = textwrap.dedent(
         """
         from opentelemetry.exporter.prometheus import PrometheusMetricReader

@@ -1,5 +1,5 @@
 """The committed gRPC stubs match the proto, import from the package, and keep the
-contract names of DESIGN.md section 4."""
+contract names of docs/architecture.md section 8."""
 
 from __future__ import annotations
 

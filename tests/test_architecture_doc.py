@@ -1,0 +1,46 @@
+"""The repository explains itself: code cites docs/architecture.md by section, and every
+section it cites exists; nothing cites a design document outside the repository."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "architecture.md"
+SOURCES = ("service", "kernels", "operator", "tests", "benchmarks", "charts", "scripts")
+CITATION = re.compile(r"docs/architecture\.md,?\s+section\s+(\d+)")
+
+
+def source_texts() -> dict[Path, str]:
+    files = [p for part in SOURCES for p in (ROOT / part).rglob("*") if p.is_file()]
+    files += [ROOT / "README.md", ROOT / "Dockerfile"]
+    texts = {}
+    for path in files:
+        if (
+            path.suffix in (".py", ".md", ".yaml", ".yml", ".tpl", ".sh", "")
+            or path.name == "Dockerfile"
+        ):
+            try:
+                texts[path] = path.read_text()
+            except (UnicodeDecodeError, OSError):
+                continue
+    return texts
+
+
+def test_every_cited_section_exists() -> None:
+    sections = {int(n) for n in re.findall(r"^## (\d+)\. ", DOC.read_text(), re.MULTILINE)}
+    assert sections == set(range(1, len(sections) + 1))
+    cited = {
+        (path.relative_to(ROOT), int(n))
+        for path, text in source_texts().items()
+        for n in CITATION.findall(text)
+    }
+    assert cited, "no code cites the architecture document"
+    assert {(path, n) for path, n in cited if n not in sections} == set()
+
+
+def test_nothing_cites_a_design_document_outside_the_repository() -> None:
+    this = Path(__file__).resolve()
+    citing = [path for path, text in source_texts().items() if "DESIGN.md" in text and path != this]
+    assert citing == []
