@@ -325,8 +325,8 @@ def stats(label: str, values: list[float]) -> dict[str, float]:
     if not values:
         return {}
     return {
-        f"{label}_mean_s": round(statistics.fmean(values), 4),
-        **{f"{label}_p{q}_s": round(throughput.percentile(values, q), 4) for q in (50, 90, 99)},
+        f"{label}_mean_s": round(statistics.fmean(values), 6),
+        **{f"{label}_p{q}_s": round(throughput.percentile(values, q), 6) for q in (50, 90, 99)},
     }
 
 

@@ -16,7 +16,10 @@ import sys
 from pagedinfer.service.openmp import spin_env
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("pagedinfer.service.server", "run the gRPC inference server"),
+    "serve": (
+        "pagedinfer.service.server",
+        "serve a model: the OpenAI-compatible HTTP API, gRPC and Prometheus metrics",
+    ),
     "generate": (
         "pagedinfer.service.generate",
         "generate text with a local engine, or from a running server with --server",
@@ -31,13 +34,28 @@ COMMANDS: dict[str, tuple[str, str]] = {
 ENGINE_COMMANDS = ("serve", "generate")
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help with every flag's default said, unless its text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        # A switch (nargs 0: store_true and the like) has no value to show.
+        shown = action.nargs != 0 and default is not None and default is not argparse.SUPPRESS
+        if shown and default != [] and action.option_strings and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagedinfer", description="Kubernetes-native LLM inference on PagedAttention."
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(
+            name, help=help_text, description=help_text, formatter_class=HelpFormatter
+        )
         if name == command:
             importlib.import_module(module_name).add_arguments(p)
     return parser

@@ -88,9 +88,26 @@ def generate_remote(
             call.cancel()
             raise
         except grpc.RpcError as exc:
-            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(f"error: {explain_rpc_error(target, exc.code().name, exc.details())}",
+                  file=sys.stderr)  # fmt: skip
             return 2 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
     return 0
+
+
+def explain_rpc_error(target: str, code: str, details: str) -> str:
+    """An RPC failure as the user should read it: a connection to something that is not
+    a gRPC server (pagedinfer's HTTP port, say) or to nothing is named as such."""
+    if code == "UNAVAILABLE" and "Failed parsing HTTP/2" in details:
+        return (
+            f"{target} is not a gRPC server (it answered in HTTP/1: is it the HTTP port?); "
+            "--server takes the gRPC port, `serve --port`, 50051 by default"
+        )
+    if code == "UNAVAILABLE" and "Connection refused" in details:
+        return (
+            f"nothing listens on {target}: is the server running? --server takes its gRPC "
+            "port, `serve --port`, 50051 by default"
+        )
+    return f"{code}: {details}"
 
 
 def _show(response: Any, n: int, texts: dict[int, list[str]], out: TextIO) -> None:

@@ -149,8 +149,11 @@ def add_engine_arguments(parser) -> None:
         default=None,
         help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)",
     )
-    g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "float16", "bfloat16"])
-    g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "float16", "bfloat16"],
+                   help="the dtype the model computes in; auto: the checkpoint's where the "
+                   "hardware multiplies it natively, else float32")  # fmt: skip
+    g.add_argument("--device", default=d.device,
+                   help="auto (cuda when available, else cpu), cpu, cuda or cuda:N")  # fmt: skip
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     g.add_argument(
         "--num-gpu-blocks",
@@ -171,19 +174,25 @@ def add_engine_arguments(parser) -> None:
         default=d.gpu_memory_utilization,
         help="share of free GPU memory for the KV cache",
     )
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    g.add_argument("--max-model-len", type=int, default=d.max_model_len)
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help="requests running at once; more wait in the queue")  # fmt: skip
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="tokens per engine step; longer prompts are prefilled in chunks")  # fmt: skip
+    g.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                   help="the longest context (prompt + output) a request may have, at most "
+                   "the model's max_position_embeddings")  # fmt: skip
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn off prefix caching (reuse of cached KV blocks across requests)")  # fmt: skip
     g.add_argument(
         "--kv-events-config",
         default=None,
         help="publish prefix-cache events for routers, vLLM's JSON, e.g. "
         '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\' (default: off)',
     )
-    g.add_argument(
-        "--allocation-policy", default=d.allocation_policy, choices=["paged", "contiguous"]
-    )
+    g.add_argument("--allocation-policy", default=d.allocation_policy,
+                   choices=["paged", "contiguous"],
+                   help="paged: KV blocks on demand; contiguous: max-model-len slots reserved "
+                   "per request at admission (the naive layout, for comparison)")  # fmt: skip
     g.add_argument(
         "--num-threads",
         type=int,

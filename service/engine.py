@@ -78,7 +78,17 @@ class _Group:
 def resolve_device(config: EngineConfig) -> torch.device:
     if config.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(config.device)
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+            raise ValueError(f"--device {config.device}: {why}; use --device cpu or auto")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"--device {config.device}: this machine has {torch.cuda.device_count()} "
+                "CUDA device(s), numbered from 0"
+            )
+    return device
 
 
 def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
@@ -128,7 +138,7 @@ class LLMEngine:
         self.kv_events = create_publisher(config.kv_events_config, config.block_size, medium)
         if self.kv_events is not None:
             self.scheduler.kv_cache.enable_events()
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         # Fills grammar masks while the model's forward runs (llguidance drops the GIL).
         self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="pagedinfer-grammar")
@@ -148,10 +158,15 @@ class LLMEngine:
         prompt: str | None = None,
         prompt_token_ids: Sequence[int] | None = None,
         messages: Sequence[dict] | None = None,
+        chat_options: prompts.ChatOptions | None = None,
     ) -> list[int]:
         """Token ids for exactly one of: text, token ids, or chat messages."""
         return prompts.encode_prompt(
-            self.tokenizer, prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages
+            self.tokenizer,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            messages=messages,
+            chat_options=chat_options,
         )
 
     def make_request(

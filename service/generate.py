@@ -12,18 +12,28 @@ from pagedinfer.service.sampling_params import SamplingParams
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     d = SamplingParams()
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=d.top_p)
-    g.add_argument("--top-k", type=int, default=d.top_k)
-    g.add_argument("--min-p", type=float, default=d.min_p)
-    g.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty)
-    g.add_argument("--presence-penalty", type=float, default=d.presence_penalty)
-    g.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=d.top_p,
+                   help="sample from the smallest set of tokens this likely (1 = all)")  # fmt: skip
+    g.add_argument("--top-k", type=int, default=d.top_k,
+                   help="sample from the k likeliest tokens (0 or -1 = all)")  # fmt: skip
+    g.add_argument("--min-p", type=float, default=d.min_p,
+                   help="drop tokens less likely than this share of the likeliest")  # fmt: skip
+    g.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty,
+                   help="divide the logits of tokens seen so far by this (1 = off)")  # fmt: skip
+    g.add_argument("--presence-penalty", type=float, default=d.presence_penalty,
+                   help="subtract this from the logits of tokens generated so far")  # fmt: skip
+    g.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty,
+                   help="subtract this times each token's count in the output so far")  # fmt: skip
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed of the sampler: the same output whatever the batch (default: "
+                   "random)")  # fmt: skip
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append", default=[])
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append",
+                   default=[], help="token id that ends the output (repeatable)")  # fmt: skip
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="go on past the end-of-sequence token, up to --max-tokens")  # fmt: skip
     g.add_argument("-n", "--n", type=int, default=1, help="number of samples")
 
 

@@ -26,6 +26,7 @@ import math
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,7 +35,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from pagedinfer.service import dtypes, gguf_convert
 from pagedinfer.service.gguf_grids import block_grids, tensor_index
@@ -154,16 +154,22 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    logger.info("converting %s to safetensors in %s (once)", gguf_path, out_dir)
-    steps = ("header", "config", "tokenizer", "dequantise weights")
-    with tqdm(total=len(steps), desc=f"Converting {gguf_path.name}", unit="step") as bar:
+    """Converts with a log line per step, from the first step after the header: a file
+    that is not a GGUF model we serve is refused before any progress is shown."""
+    steps = ("config", "tokenizer", "dequantise weights")
+    started = time.monotonic()
 
-        def progress(step: str) -> None:
-            bar.update()
-            bar.set_postfix_str(step)
+    def progress(step: str) -> None:
+        logger.info(
+            "converting %s to safetensors (once): step %d of %d, %s, %.1f s",
+            gguf_path.name, steps.index(step) + 1, len(steps), step,
+            time.monotonic() - started,
+        )  # fmt: skip
 
-        gguf_convert.convert(gguf_path, out_dir, progress)
-        bar.update()
+    gguf_convert.convert(gguf_path, out_dir, progress)
+    logger.info(
+        "converted %s in %.1f s into %s", gguf_path.name, time.monotonic() - started, out_dir
+    )
 
 
 def load_model(

@@ -205,9 +205,28 @@ def plan_kv_cache(
             f"{bound} cannot hold the model and one KV block per sequence: {terms}; "
             f"{min_blocks} blocks (max_num_seqs) of {mib(block_bytes)} need "
             f"{mib(min_blocks * block_bytes)}, a limit of at least {mib(int(needed))}. "
-            "Raise the memory limit, lower --max-num-seqs, or set --kv-cache-memory"
+            f"Raise the memory limit, lower --max-num-seqs (to at most {blocks} here), or "
+            "set --kv-cache-memory"
         )
     return KVCachePlan(budget=budget, num_blocks=blocks, reason=reason)
+
+
+def check_kv_cache_memory(budget: int, host: HostMemory, resident: int) -> None:
+    """Refuses a `--kv-cache-memory` the process could never hold (ValueError), so that
+    the cache's allocation does not fail with a bare ENOMEM."""
+    room = host.limit - resident if host.limit is not None else host.available
+    if budget > room:
+        where = (
+            f"the memory limit {_mib(host.limit)} ({host.source}) less the "
+            f"{_mib(resident)} the process holds"
+            if host.limit is not None
+            else f"the host's available memory ({host.source})"
+        )
+        raise ValueError(
+            f"--kv-cache-memory {_mib(budget)} is more than this process can hold: "
+            f"{_mib(max(room, 0))} is left by {where}; give less, or leave the flag out "
+            "to size the cache from the memory"
+        )
 
 
 def parse_limit(text: str, total: int) -> int | None:

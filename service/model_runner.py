@@ -84,6 +84,7 @@ def num_kv_blocks(
         return plan.num_blocks
     else:
         budget = config.kv_cache_memory
+        memory.check_kv_cache_memory(budget, memory.read_host_memory(), memory.resident_bytes())
     blocks = budget // block_bytes
     if blocks < 1:
         raise ValueError(
@@ -117,13 +118,13 @@ def child_compile_fits(config: EngineConfig, block_bytes: int, model: ModelConfi
     True where the KV cache is not sized from the memory."""
     if config.num_gpu_blocks is not None or config.kv_cache_memory is not None:
         return True
-    return memory.child_compile_fits(
-        memory.read_host_memory(),
-        _footprint(config, block_bytes, model, None),
-        block_bytes=block_bytes,
-        num_layers=model.num_layers,
-        min_blocks=config.max_num_seqs,
-    )
+    host, footprint = memory.read_host_memory(), _footprint(config, block_bytes, model, None)
+    sizes = {"block_bytes": block_bytes, "num_layers": model.num_layers,
+             "min_blocks": config.max_num_seqs}  # fmt: skip
+    # What cannot serve even without a compile (--max-num-seqs past the memory) is
+    # refused now (ValueError), not after minutes of compiling.
+    memory.plan_kv_cache(host, footprint, **sizes)
+    return memory.child_compile_fits(host, footprint, **sizes)
 
 
 def kernel_set_identity(
@@ -294,19 +295,30 @@ class ModelRunner:
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 
-    def _activate(self, executor: Any) -> Any:
-        """Switch to the CPU executor its background warm-up made ready; the executor, or
-        None where it failed to start (its dense weights are then read again, and the
-        torch forward keeps serving)."""
+    @property
+    def pending_executor(self) -> Any | None:
+        """The CPU executor whose background warm-up has yet to make it serve, or None."""
+        executor = self.executor
+        return executor if executor is not None and not executor.active else None
+
+    def take_over(self) -> bool:
+        """Switch to the CPU executor once its background warm-up made it ready; whether
+        it serves now. Call between steps, from the thread that runs them. Where it fails
+        to start, its dense weights are read again and the torch forward keeps serving."""
+        executor = self.executor
+        if executor is None or executor.active:
+            return executor is not None
+        if not executor.ready:
+            return False
         try:
             executor.activate(released=memory.release_free_heap)
         except Exception:
             log.exception("CPU executor: failed to start serving; the torch forward serves")
             self.executor = None
             self._read_released_weights()
-            return None
-        log.info("CPU executor: kernels ready, serving every step")
-        return executor
+            return False
+        log.info("CPU executor: kernels ready, the compiled path serves from this step on")
+        return True
 
     def _read_released_weights(self) -> None:
         """Read again the dense weights an executor released, for the torch forward."""
@@ -321,10 +333,8 @@ class ModelRunner:
             return ModelOutput(torch.empty(0, 0), [], [])
         inputs = self._prepare(out)
         args = (inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
-        executor = self.executor
-        if executor is not None and not executor.active and executor.ready:
-            executor = self._activate(executor)
-        if executor is not None and executor.active:
+        executor = self.executor if self.take_over() else None
+        if executor is not None:
             logits, tokens = executor.forward(*args, inputs.logits_indices, inputs.greedy)
         else:
             logits, tokens = self.model(*args, inputs.logits_indices), None

@@ -31,6 +31,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pagedinfer.service.reasoning import REASONING_PARSERS, get_reasoning_parser
+
 if TYPE_CHECKING:  # grpc and the engine are imported in `run`, keeping `--help` fast
     import grpc
 
@@ -71,6 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="model names the HTTP API answers to; the first is the one it "
                         "reports (default: the model's own name)")  # fmt: skip
+    server.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                        help="split thinking models' reasoning into the chat API's "
+                        "reasoning_content (qwen3, smollm3: <think>...</think>; deepseek_r1: "
+                        "the output starts inside the thinking)")  # fmt: skip
     server.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                         help="Prometheus /metrics port (-1 disables it)")  # fmt: skip
     server.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
@@ -82,7 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--tls-cert", default=None, help="PEM certificate chain; enables TLS")
     server.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
     server.add_argument("--log-level", default="INFO",
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])  # fmt: skip
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="JSON log lines at this level and above; DEBUG adds tracebacks "
+                        "to errors")  # fmt: skip
 
 
 @dataclass
@@ -92,6 +100,7 @@ class ServerOptions:
     metrics_port: int | None = DEFAULT_METRICS_PORT
     http_port: int | None = DEFAULT_HTTP_PORT
     served_model_names: list[str] | None = None
+    reasoning_parser: str | None = None
     max_queue: int = DEFAULT_MAX_QUEUE
     grace_period: float = DEFAULT_GRACE_PERIOD
     auth_token: str | None = None
@@ -115,6 +124,7 @@ class ServerOptions:
             metrics_port=None if args.metrics_port < 0 else args.metrics_port,
             http_port=None if args.http_port < 0 else args.http_port,
             served_model_names=names,
+            reasoning_parser=args.reasoning_parser,
             max_queue=args.max_queue,
             grace_period=args.grace_period,
             auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None,
@@ -136,8 +146,21 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:  # a port in use, an unreadable certificate
         log.error("cannot start the server: %s", exc)
         code = 1
+    except ValueError as exc:  # a configuration mistake found while loading the model
+        log.debug("configuration error", exc_info=True)
+        print(f"pagedinfer serve: error: {exc}", file=sys.stderr)
+        code = 2
     _exit_past_a_running_compile(code)
     return code
+
+
+def listen_error(flag: str, host: str, port: int, exc: BaseException) -> OSError:
+    """A listener that could not bind, said with the flag that chose its port."""
+    reason = f" ({exc.strerror})" if isinstance(exc, OSError) and exc.strerror else ""
+    return OSError(
+        f"{flag} {port}: cannot listen on {host}:{port}{reason}: another process holds the "
+        f"port, or the address is not this machine's; stop that process or choose another {flag}"
+    )
 
 
 def _exit_past_a_running_compile(code: int) -> None:
@@ -473,22 +496,31 @@ async def serve(config: EngineConfig, options: ServerOptions) -> int:
         loop.add_signal_handler(sig, stop.set)
 
     servicer = InferenceServicer(options.max_queue)
-    servicer.telemetry = create_telemetry(
-        servicer.stats,
-        host=options.host,
-        metrics_port=options.metrics_port,
-        prometheus=options.http_port is not None,
-    )
+    try:
+        servicer.telemetry = create_telemetry(
+            servicer.stats,
+            host=options.host,
+            metrics_port=options.metrics_port,
+            prometheus=options.http_port is not None,
+        )
+    except OSError as exc:
+        if exc.errno is None:
+            raise
+        raise listen_error("--metrics-port", options.host, options.metrics_port, exc) from None
     http, http_state = None, None
     if options.http_port is not None:
         from pagedinfer.service.openai import HttpServer, ServingState, create_app
 
         http_state = ServingState(max_queue=options.max_queue, telemetry=servicer.telemetry)
+        if options.reasoning_parser is not None:
+            http_state.reasoning_parser = get_reasoning_parser(options.reasoning_parser)
         http = HttpServer(create_app(http_state, options.auth_token), options.host,
                           options.http_port, options.tls_cert, options.tls_key)  # fmt: skip
 
     interceptors = [bearer_token_interceptor(options.auth_token)] if options.auth_token else []
-    server = grpc.aio.server(interceptors=interceptors)
+    # gRPC sets SO_REUSEPORT by default, so a second server on the same port would bind
+    # beside the first and take half of its calls; each port is ours alone.
+    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
     inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -506,18 +538,25 @@ async def serve(config: EngineConfig, options: ServerOptions) -> int:
     if options.tls_cert:
         with open(options.tls_key, "rb") as key, open(options.tls_cert, "rb") as cert:
             credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
-        port = server.add_secure_port(address, credentials)
-    else:
-        port = server.add_insecure_port(address)
+    try:
+        if options.tls_cert:
+            port = server.add_secure_port(address, credentials)
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpc's "Failed to bind to address"
+        servicer.telemetry.shutdown()
+        raise listen_error("--port", options.host, options.port, exc) from None
     await server.start()
     http_port = None
     if http is not None:
         try:
             http_port = await http.start()
-        except OSError:
+        except OSError as exc:
             await server.stop(None)
             servicer.telemetry.shutdown()
-            raise
+            if exc.errno is None:  # the TLS certificate, said by HttpServer
+                raise
+            raise listen_error("--http-port", options.host, options.http_port, exc) from None
     log.info(
         "listening; loading the model",
         extra={"grpc_port": port, "http_port": http_port, "tls": bool(options.tls_cert),
@@ -567,6 +606,8 @@ async def serve(config: EngineConfig, options: ServerOptions) -> int:
             },
         )
         await stop.wait()
+    except ValueError:
+        raise  # a configuration mistake: `run` says it in one line
     except Exception:
         log.exception("the server failed")
         exit_code = 1

@@ -69,8 +69,11 @@ def test_sweep_streams_every_token_at_each_level(run):
         assert result["output_tokens"] == workload["output_tokens"]
         assert result["prompt_tokens"] == workload["prompt_tokens"]
         assert result["output_tokens_per_s"] > 0
-        for key in ("ttft", "itl", "tpot", "e2e"):
+        for key in ("ttft", "e2e"):  # each spans at least one forward pass
             assert 0 < result[f"{key}_p50_s"] <= result[f"{key}_p99_s"]
+        # Tokens of one step may reach the client in one read: a gap may be zero.
+        for key in ("itl", "tpot"):
+            assert 0 <= result[f"{key}_p50_s"] <= result[f"{key}_p99_s"]
 
 
 def test_offline_api_runs_the_same_work_and_the_ratio_is_reported(run):

@@ -35,6 +35,7 @@ STARTUP_TIMEOUT_S = 300  # the first start converts the embedded model (about 30
 KV_CACHE = "64MiB"  # about 90 blocks of 16 tokens for the embedded model
 CHAT = [pb.ChatMessage(role="user", content="What is the capital of France?")]
 TOKEN = "s3cret-token"
+SHORT_TOKENS = 48  # the request that runs through a SIGTERM
 
 
 def free_port() -> int:
@@ -180,11 +181,11 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def strict_server(tmp_path_factory):
-    """TLS, a bearer token, one running sequence, a waiting queue of one and a 5 s grace
+    """TLS, a bearer token, one running sequence, a waiting queue of one and a 15 s grace
     period; the last test stops it with SIGTERM."""
     directory = tmp_path_factory.mktemp("strict")
     server = start_server(directory, "--max-num-seqs", "1", "--max-queue", "1",
-                          "--grace-period", "5", token=TOKEN,
+                          "--grace-period", "10", token=TOKEN,
                           tls=make_certificate(directory))  # fmt: skip
     yield server
     stop_server(server)
@@ -509,17 +510,21 @@ def test_full_waiting_queue_is_resource_exhausted(strict_server):
 
 @pytest.mark.timeout(180)
 def test_sigterm_lets_running_requests_finish_and_aborts_the_rest(strict_server):
-    """Runs last: it stops the strict server (one sequence at a time, grace period 5 s)."""
+    """Runs last: it stops the strict server (one sequence at a time, grace period 10 s).
+
+    The running request is long enough to still run while the scrape sees the other one
+    wait (on the fastest CPU) and short enough to finish within the grace period (on a
+    throttled one); the other, admitted after it, cannot finish 1400 tokens in time."""
     server = strict_server
     server.wait_all_blocks_free()
-    short = server.generate(prompt="Short:", sampling=greedy(8, ignore_eos=True))
-    first_short = next(short)  # running, for a few more steps
+    short = server.generate(prompt="Short:", sampling=greedy(SHORT_TOKENS, ignore_eos=True))
+    first_short = next(short)  # running, for many more steps
     long = server.generate(prompt="Long:", sampling=greedy(1400, ignore_eos=True))
     server.wait_for_metric("pagedinfer_requests_waiting", lambda v, m: v == 1)
     server.process.send_signal(signal.SIGTERM)
     rest = collect(short)
     assert rest[-1].finish_reason == pb.LENGTH
-    assert len(first_short.token_ids) + sum(len(r.token_ids) for r in rest) == 8
+    assert len(first_short.token_ids) + sum(len(r.token_ids) for r in rest) == SHORT_TOKENS
     with pytest.raises(grpc.RpcError) as info:
         collect(long)  # cannot finish 1400 tokens within the grace period
     assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
@@ -532,8 +537,9 @@ def test_a_server_stopped_while_its_kernels_still_compile_exits_cleanly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With an empty kernel cache the CPU backend compiles in the background while the
-    torch forward serves; a SIGTERM then must still end the process with status 0 (not
-    an abort from LLVM torn down under the compile)."""
+    torch forward serves, and logs its progress: each warm-up step and each kernel
+    compiled, with the seconds since it began. A SIGTERM then must still end the process
+    with status 0 (not an abort from LLVM torn down under the compile)."""
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "empty-numba-cache"))
     monkeypatch.delenv("PAGEDINFER_NUMBA_PREBUILT", raising=False)
     server = start_server(tmp_path)
@@ -543,10 +549,28 @@ def test_a_server_stopped_while_its_kernels_still_compile_exits_cleanly(
             metadata=server.metadata, timeout=120,
         )))  # fmt: skip
         assert reply.token_ids
+        step = wait_for_log(server, r"CPU executor: warm-up step 1 of (\d+), 0 kernels compiled")
+        kernel = wait_for_log(
+            server, r"CPU executor: compiled kernel 1 \(([\w.]+), (\d+) functions\) in "
+            r"warm-up step 1 of (\d+), (\d+) s"
+        )  # fmt: skip
+        assert int(kernel.group(2)) >= 1 and kernel.group(3) == step.group(1)
     finally:
         code = stop_server(server)
-    assert code == 0, server.log_tail()
-    assert "still compile in the background" in server.log_tail()
+    log = server.log.read_text()
+    assert code == 0, log[-4000:]
+    assert "still compile in the background" in log
+    assert "compiling the kernels in a child process" in log
+
+
+def wait_for_log(server: Server, pattern: str, timeout: float = 600) -> re.Match:
+    """The first match of `pattern` in the server's log, once it is there."""
+    deadline = time.monotonic() + timeout
+    while (found := re.search(pattern, server.log.read_text())) is None:
+        assert server.process.poll() is None, server.log_tail()
+        assert time.monotonic() < deadline, f"no {pattern!r} in:\n{server.log_tail()}"
+        time.sleep(0.5)
+    return found
 
 
 def _serve_args(port: int, http_port: int) -> list[str]:
