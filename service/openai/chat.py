@@ -39,6 +39,7 @@ from pagedinfer.service.openai.serving import (
     start_runs,
     usage,
 )
+from pagedinfer.service.openai.structured import constrained
 
 log = logging.getLogger("pagedinfer.http")
 
@@ -92,7 +93,7 @@ def start_chat(state: ServingState, request: ChatCompletionRequest) -> ChatJob:
     max_tokens = resolve_max_tokens(engine, len(prompt), requested, None, "messages", field_name)
     check_stop_token_ids(request, engine.vocab_size)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    params = sampling_params(request, max_tokens, logprobs, None)
+    params = constrained(engine, request, sampling_params(request, max_tokens, logprobs, None))
     state.check_queue(engine, 1)
     runs = start_runs(state, engine, [(prompt, params)], "chat", request.cache_salt)
     return ChatJob(

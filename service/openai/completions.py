@@ -35,6 +35,7 @@ from pagedinfer.service.openai.serving import (
     top_dict,
     usage,
 )
+from pagedinfer.service.openai.structured import constrained
 
 log = logging.getLogger("pagedinfer.http")
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
@@ -90,7 +91,9 @@ def start_completion(state: ServingState, request: CompletionRequest) -> Complet
         requested, hidden = 1, 1
     check_stop_token_ids(request, engine.vocab_size)
     prompt_logprobs = request.logprobs if request.echo else None
-    base = sampling_params(request, 1, request.logprobs, prompt_logprobs)
+    base = constrained(
+        engine, request, sampling_params(request, 1, request.logprobs, prompt_logprobs)
+    )
     params = [
         dataclasses.replace(
             base,

@@ -86,7 +86,20 @@ class SamplingFields(Strict):
         return ids
 
 
-class CompletionRequest(SamplingFields):
+class GuidedFields(Strict):
+    """Structured outputs on both endpoints: vLLM's structured_outputs and its older
+    guided_* names (response_format is OpenAI's, on chat; vLLM takes it on completions
+    too)."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+
+class CompletionRequest(SamplingFields, GuidedFields):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -133,6 +146,7 @@ class ChatMessage(Strict):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
     @field_validator("content", mode="plain")
     @classmethod
@@ -160,11 +174,65 @@ class ChatMessage(Strict):
         return "\n".join(part.text for part in self.content)
 
 
+class JsonSchemaFormat(Strict):
+    """response_format's json_schema: the schema the output must match."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(Strict):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
+class StructuredOutputs(Strict):
+    """vLLM's structured_outputs: exactly one of its constraints."""
+
+    json_schema: dict[str, Any] | bool | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class FunctionDefinition(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: Any = None  # a JSON schema; checked when the request is served
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(Strict):
+    """A tool call of an assistant message, in a request's history or in a response."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatCompletionRequest(SamplingFields, GuidedFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -172,9 +240,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -252,6 +319,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -274,6 +342,9 @@ class ChatCompletion(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    # OpenAI's tool call deltas: {"index", "id", "type", "function": {"name", "arguments"}}
+    # on a call's first chunk, then {"index", "function": {"arguments"}} fragments.
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer
     def _present_fields_only(self) -> dict[str, Any]:

@@ -1,0 +1,168 @@
+"""Structured outputs in the engine: what the grammar compiler refuses, how masks cover
+draft rows, and that every sampling path of the embedded model keeps to the grammar."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from pagedinfer.service import LLM, SamplingParams
+from pagedinfer.service.structured_output import (
+    GrammarCompiler,
+    GrammarError,
+    StructuredOutput,
+    apply_masks,
+)
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+        "pets": {"type": "array", "items": {"enum": ["cat", "dog", "fish"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "pets"],
+    "additionalProperties": False,
+}
+PROMPT = "Here is a person described as JSON:"
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(max_model_len=512, kv_cache_memory=256 * 2**20, max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def compiler(llm) -> GrammarCompiler:
+    return llm.engine.grammars
+
+
+@pytest.mark.parametrize(
+    ("output", "message"),
+    [
+        (StructuredOutput.json_schema({"type": "foo"}), "Invalid type"),
+        (StructuredOutput.json_schema({"type": "object", "properties": 5}), "properties"),
+        (StructuredOutput("json", "[1, 2]"), "must be an object"),
+        (StructuredOutput("json", "{"), "not valid JSON"),
+        (
+            StructuredOutput.json_schema({"type": "object", "dependentRequired": {"a": ["b"]}}),
+            'cannot enforce: Unimplemented keys: ["dependentRequired"]',
+        ),
+        (StructuredOutput("regex", "[a-"), "unclosed character class"),
+        (StructuredOutput("grammar", "start: missing_rule"), "unknown name"),
+        (StructuredOutput("choice", "[]"), "non-empty list"),
+    ],
+)
+def test_compiler_refuses_what_it_cannot_enforce(compiler, output, message):
+    with pytest.raises(GrammarError, match=re.escape(message)):
+        compiler.check(output)
+
+
+def test_deep_and_huge_specs_are_refused_before_compiling(compiler):
+    deep: dict = {"type": "string"}
+    for _ in range(40):
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(GrammarError, match="nests deeper than"):
+        compiler.check(StructuredOutput.json_schema(deep))
+    with pytest.raises(GrammarError, match="characters; at most"):
+        compiler.check(StructuredOutput("regex", "a" * 200_000))
+
+
+def test_masks_follow_the_draft_and_stop_at_a_forbidden_token(llm, compiler):
+    tok = llm.engine.tokenizer
+    matcher = compiler.matcher(StructuredOutput.choice(["yes", "no"]))
+    no = tok.encode("no", add_special_tokens=False)
+    draft = [*no, 5]  # "no", then a token after the grammar's end
+    rows = np.empty((1 + len(draft), compiler.words), dtype=np.int32)
+    matcher.fill_with_draft(rows, draft)
+    logits = torch.zeros(len(rows), compiler.vocab_size)
+    apply_masks(logits, list(range(len(rows))), rows)
+    allowed = [set(torch.isfinite(row).nonzero().flatten().tolist()) for row in logits]
+    assert no[0] in allowed[0] and len(allowed[0]) < 10
+    assert allowed[len(no)] == set(compiler.eos_token_ids)  # after "no": only the end
+    assert len(allowed[-1]) == compiler.vocab_size  # past the forbidden token: never kept
+    assert matcher.accept(no)  # the draft was rolled back: the matcher starts over
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_schema_outputs_validate_at_any_temperature(llm, temperature):
+    params = SamplingParams(
+        max_tokens=120,
+        temperature=temperature,
+        seed=7,
+        n=1 if temperature == 0 else 4,
+        structured_output=StructuredOutput.json_schema(PERSON),
+    )
+    (out,) = llm.generate([PROMPT], params)
+    for sample in out.outputs:
+        if sample.finish_reason == "stop":
+            jsonschema.validate(json.loads(sample.text), PERSON)
+        else:  # ran out of tokens inside a long string: still a prefix of valid JSON
+            assert sample.finish_reason == "length"
+    assert any(s.finish_reason == "stop" for s in out.outputs)
+
+
+def test_choice_regex_and_grammar_are_honoured_with_top_k_top_p_min_p(llm):
+    params = [
+        SamplingParams(
+            max_tokens=8, temperature=1.0, top_k=5, structured_output=StructuredOutput.choice(
+                ["alpha", "beta", "gamma"]
+            )
+        ),
+        SamplingParams(
+            max_tokens=12, temperature=0.8, top_p=0.9,
+            structured_output=StructuredOutput("regex", r"[0-9]{3}-[0-9]{4}"),
+        ),
+        SamplingParams(
+            max_tokens=12, temperature=1.0, min_p=0.05,
+            structured_output=StructuredOutput("grammar", 'root ::= "on" | "off"'),
+        ),
+    ]  # fmt: skip
+    outs = llm.generate(["Pick one:", "Phone number:", "The switch is"], params)
+    assert outs[0].outputs[0].text in {"alpha", "beta", "gamma"}
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", outs[1].outputs[0].text)
+    assert outs[2].outputs[0].text in {"on", "off"}
+    assert all(o.outputs[0].finish_reason == "stop" for o in outs)
+
+
+def test_logprobs_are_those_of_the_masked_distribution(llm):
+    params = SamplingParams(
+        max_tokens=4,
+        temperature=0.0,
+        logprobs=20,  # more than the tokens that can start either word
+        structured_output=StructuredOutput.choice(["red", "green"]),
+    )
+    (out,) = llm.generate(["My favourite colour is"], params)
+    sample = out.outputs[0]
+    assert sample.text in {"red", "green"}
+    first = sample.logprobs[0]
+    # Only tokens that start "red" or "green" can be picked, and they share all the mass.
+    texts = [llm.engine.tokenizer.decode([t]) for t, _ in first["top"]]
+    assert all("red".startswith(t) or "green".startswith(t) for t in texts)
+    assert sum(np.exp(lp) for _, lp in first["top"]) == pytest.approx(1.0, abs=1e-4)
+
+
+def test_seeded_samples_are_reproducible_and_the_same_with_greedy_batches(llm):
+    so = StructuredOutput.json_schema(PERSON)
+    seeded = SamplingParams(max_tokens=60, temperature=1.0, seed=11, n=2, structured_output=so)
+    alone = llm.generate([PROMPT], seeded)[0]
+    batched = llm.generate(
+        [PROMPT, "Another person:"],
+        [seeded, SamplingParams(max_tokens=30, temperature=0.0, structured_output=so)],
+    )[0]
+    assert [s.text for s in alone.outputs] == [s.text for s in batched.outputs]
+
+
+def test_a_grammar_that_cannot_finish_ends_with_length(llm):
+    params = SamplingParams(
+        max_tokens=5, temperature=0.0, structured_output=StructuredOutput.json_schema(PERSON)
+    )
+    (out,) = llm.generate([PROMPT], params)
+    assert out.outputs[0].finish_reason == "length"
+    assert out.outputs[0].text.startswith('{"name": ')
+    assert llm.engine.scheduler.kv_cache.pool.num_free == llm.engine.num_blocks
