@@ -36,7 +36,9 @@ class SampleText:
         params: SamplingParams,
         eos_token_ids: Iterable[int],
     ) -> None:
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, prompt_token_ids, params.skip_special_tokens
+        )
         self.stop = StopChecker(params, eos_token_ids)
         self.with_logprobs = params.logprobs is not None
         self.text = ""  # everything detokenized so far, cut at a stop

@@ -1,8 +1,9 @@
 """Batched sampling: one row of logits per sequence in, one token per sequence out.
 
-Per row, in this order (vLLM's): repetition, frequency and presence penalties on the
-logits; temperature; top-k; top-p; min-p; then one draw. Greedy rows (temperature 0)
-take the argmax of the penalised logits and ignore the rest.
+Per row, in this order (vLLM's): logit_bias and the min_tokens mask (EOS and stop
+tokens cannot be picked before min_tokens); repetition, frequency and presence penalties
+on the logits; temperature; top-k; top-p; min-p; then one draw. Greedy rows
+(temperature 0) take the argmax of the processed logits and ignore the rest.
 
 Logprobs follow vLLM's convention: they are those of the raw model distribution, the
 log_softmax of the logits as they came in, before penalties and temperature. They say
@@ -16,7 +17,7 @@ draw from the global RNG.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,9 +84,25 @@ def has_penalties(params: SamplingParams) -> bool:
     )
 
 
+def has_logits_processors(params: SamplingParams) -> bool:
+    """Whether logit_bias or min_tokens may change this request's logits."""
+    return bool(params.logit_bias) or params.min_tokens > 0
+
+
 def argmax_only(params: SamplingParams) -> bool:
     """Whether a row sampled with these parameters needs only the argmax of its logits."""
-    return is_greedy(params) and not has_penalties(params) and params.logprobs is None
+    return (
+        is_greedy(params)
+        and not has_penalties(params)
+        and not has_logits_processors(params)
+        and params.logprobs is None
+    )
+
+
+def _processed(row: SamplingRow) -> bool:
+    """Whether logit_bias or the min_tokens mask changes this row's logits."""
+    params = row.params
+    return bool(params.logit_bias) or len(row.output_token_ids) < params.min_tokens
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -104,7 +121,14 @@ SAMPLE_CHUNK_ROWS = 32
 
 
 class Sampler:
-    """Picks the next token of every row of a logits batch, each with its own parameters."""
+    """Picks the next token of every row of a logits batch, each with its own parameters.
+
+    eos_token_ids: the model's end tokens, which min_tokens keeps from being picked
+    (unless a request ignores EOS).
+    """
+
+    def __init__(self, eos_token_ids: Iterable[int] = ()) -> None:
+        self.eos_token_ids = sorted(set(eos_token_ids))
 
     def __call__(
         self,
@@ -135,7 +159,9 @@ class Sampler:
             raise ValueError("tokens: a row that needs its logits was given a token")
         if given and all(given):
             token_ids = tokens
-        elif all(is_greedy(p) and not has_penalties(p) for p in params):
+        elif all(is_greedy(p) and not has_penalties(p) for p in params) and not any(
+            _processed(row) for row in rows
+        ):
             token_ids = greedy_tokens(logits)
         else:
             token_ids = self._sample(logits, rows)
@@ -146,9 +172,13 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         params = [row.params for row in rows]
         penalised = [i for i, p in enumerate(params) if has_penalties(p)]
-        if penalised:
+        processed = [i for i, row in enumerate(rows) if _processed(row)]
+        if penalised or processed:
             # A contiguous copy: the raw logits stay intact for the logprobs.
             logits = logits.clone(memory_format=torch.contiguous_format)
+        if processed:
+            apply_logits_processors(logits, rows, processed, self.eos_token_ids)
+        if penalised:
             apply_penalties(logits, rows, penalised)
         random_rows = [i for i, p in enumerate(params) if not is_greedy(p)]
         if len(random_rows) == len(rows):
@@ -161,6 +191,44 @@ class Sampler:
             probs = processed_probs(logits[index], [params[i] for i in random_rows])
             token_ids[index] = _draw(probs, [rows[i].generator for i in random_rows])
         return token_ids
+
+
+def apply_logits_processors(
+    logits: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    processed: Sequence[int],
+    eos_token_ids: Sequence[int],
+) -> None:
+    """Adds each row's logit_bias and, while a row has fewer than min_tokens outputs,
+    sets the logits of its stop tokens (EOS unless ignored, and stop_token_ids) to -inf.
+    In place, on the rows `processed` of `logits`; ids beyond the vocabulary are skipped."""
+    vocab = logits.shape[1]
+    rows_at: list[int] = []
+    tokens: list[int] = []
+    biases: list[float] = []
+    masked: list[int] = []
+    for i in processed:
+        row, params = rows[i], rows[i].params
+        for token, bias in params.logit_bias.items():
+            if token < vocab:
+                rows_at.append(i)
+                tokens.append(token)
+                biases.append(bias)
+        if len(row.output_token_ids) < params.min_tokens:
+            stops = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                stops.update(eos_token_ids)
+            masked.extend(i * vocab + t for t in sorted(stops) if t < vocab)
+    flat = logits.view(-1)
+    if tokens:
+        positions = torch.tensor(rows_at, dtype=torch.int64) * vocab + torch.tensor(tokens)
+        flat.index_add_(
+            0,
+            positions.to(logits.device),
+            torch.tensor(biases, dtype=logits.dtype, device=logits.device),
+        )
+    if masked:
+        flat.index_fill_(0, torch.tensor(masked, device=logits.device), float("-inf"))
 
 
 def apply_penalties(

@@ -17,6 +17,7 @@ FLOAT_FIELDS = (
     "frequency_penalty",
 )
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass
@@ -28,6 +29,12 @@ class SamplingParams:
     prompt_logprobs k does the same for every prompt token after the first (what the
     model predicted there; `echo` of the HTTP API's completions); such a prompt is
     computed in full, not read from the prefix cache.
+
+    logit_bias adds a bias in [-100, 100] to the logit of each token id it names (OpenAI's
+    semantics: -100 bans a token, +100 all but forces it). min_tokens: until that many
+    tokens are out, EOS and the stop token ids cannot be sampled and stop strings do not
+    end the output (max_tokens still does). skip_special_tokens drops special tokens from the text;
+    include_stop_str_in_output keeps the stop string (or stop token's text) that ended it.
     """
 
     max_tokens: int = 16
@@ -47,6 +54,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # What the output must match (a JSON schema, regex, choice or grammar); None: free.
     structured_output: StructuredOutput | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         for name in FLOAT_FIELDS:
@@ -93,6 +104,17 @@ class SamplingParams:
             raise ValueError(
                 f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}"
             )
+
+        self.logit_bias = dict(self.logit_bias or {})
+        for token, bias in self.logit_bias.items():
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")
+            if not (isinstance(bias, int | float) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise ValueError(
+                    f"logit_bias of token {token} must be in [-100, 100], got {bias!r}"
+                )
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
 
         if self.structured_output is not None and not isinstance(
             self.structured_output, StructuredOutput

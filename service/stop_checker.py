@@ -22,8 +22,10 @@ class StopChecker:
 
     EOS ends a sequence unless `ignore_eos`; `stop_token_ids` always do. Neither
     appears in the text. A stop string ends it at its first occurrence, also when it
-    spans several tokens, and the text is cut just before it. The max_tokens-th output
-    token ends it too.
+    spans several tokens, and the text is cut just before it (after it, with
+    `include_stop_str_in_output`, which keeps a stop token's text too). Before
+    `min_tokens` outputs no stop string ends it (the sampler keeps stop tokens from being
+    picked until then). The max_tokens-th output token ends it too.
     """
 
     def __init__(self, params: SamplingParams, eos_token_ids: Iterable[int] = ()) -> None:
@@ -32,6 +34,8 @@ class StopChecker:
         if not params.ignore_eos:
             self.stop_token_ids.update(eos_token_ids)
         self.stop_strings = list(params.stop)
+        self.min_tokens = params.min_tokens
+        self.include_stop = params.include_stop_str_in_output
         self._longest = max((len(s) for s in self.stop_strings), default=0)
 
     @property
@@ -51,17 +55,19 @@ class StopChecker:
         num_output_tokens: how many output tokens the sequence has with this one.
         """
         if token_id in self.stop_token_ids:
-            return StopDecision("stop", text[: len(text) - new_text_len])
+            return StopDecision(
+                "stop", text if self.include_stop else text[: len(text) - new_text_len]
+            )
         length = "length" if self.is_last(num_output_tokens) else None
-        if not self.stop_strings or new_text_len == 0:
+        if not self.stop_strings or new_text_len == 0 or num_output_tokens < self.min_tokens:
             return StopDecision(length, text)
         # Only a match that ends in the new characters is new; earlier ones were seen.
         start = max(len(text) - new_text_len - self._longest + 1, 0)
-        cut = -1
+        cut, end = -1, -1
         for stop in self.stop_strings:
             found = text.find(stop, start)
             if found != -1 and (cut == -1 or found < cut):
-                cut = found
+                cut, end = found, found + len(stop)
         if cut == -1:
             return StopDecision(length, text)
-        return StopDecision("stop", text[:cut])
+        return StopDecision("stop", text[:end] if self.include_stop else text[:cut])

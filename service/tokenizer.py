@@ -90,13 +90,16 @@ class Tokenizer:
         conversation: Sequence[Mapping[str, Any]],
         *,
         add_generation_prompt: bool = False,
+        continue_final_message: bool = False,
         tokenize: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
         documents: Sequence[Mapping[str, Any]] | None = None,
         **template_kwargs: Any,
     ) -> str | list[int]:
         """The conversation rendered by the chat template: its text, or (tokenize) its
-        ids, encoded without added special tokens as the template writes its own."""
+        ids, encoded without added special tokens as the template writes its own.
+        continue_final_message: the text ends right after the last message's content,
+        with no end-of-turn after it, so that the model goes on writing it."""
         if self.chat_template is None:
             raise ValueError("this model's tokenizer has no chat template")
         if not conversation:
@@ -113,6 +116,8 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             **_plain({**self.special_tokens_map, **template_kwargs}),
         )
+        if continue_final_message:
+            rendered = _open_final_message(rendered, messages[-1].get("content"))
         return self.encode(rendered, add_special_tokens=False) if tokenize else rendered
 
 
@@ -332,6 +337,25 @@ def _plain(value: Any) -> Any:
     if callable(getattr(value, "model_dump", None)):
         return _plain(value.model_dump())
     return f"<{type(value).__name__}>"
+
+
+def _open_final_message(rendered: str, content: Any) -> str:
+    """`rendered` cut right after the last message's content (as transformers cuts it):
+    whatever the template wrote after it (an end of turn) is dropped."""
+    if isinstance(content, list):  # text parts
+        content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+    text = content if isinstance(content, str) else ""
+    stripped = text.strip()
+    at = rendered.rfind(stripped) if stripped else -1
+    if at < 0:
+        raise ValueError(
+            "continue_final_message: the chat template does not render the final message's "
+            "content, so it cannot be continued"
+        )
+    kept = text.lstrip()
+    if rendered[at : at + len(kept)] == kept:
+        return rendered[: at + len(kept)]
+    return rendered[: at + len(stripped)]
 
 
 def _alias_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

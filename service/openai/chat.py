@@ -1,5 +1,10 @@
 """POST /v1/chat/completions: messages through the model's chat template, responses
-whole or as server-sent events (the first chunk of each choice carries the role)."""
+whole or as server-sent events (the first chunk of each choice carries the role).
+
+With a reasoning parser (`--reasoning-parser`), each choice's thinking goes to
+`reasoning_content` (and `reasoning`) and only the answer to `content`, in the message
+and in stream deltas (`pagedinfer.service.reasoning`).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from pagedinfer.service import prompts
 from pagedinfer.service.openai.errors import bad_request
 from pagedinfer.service.openai.protocol import (
     AssistantMessage,
@@ -40,6 +46,7 @@ from pagedinfer.service.openai.serving import (
     usage,
 )
 from pagedinfer.service.openai.structured import constrained
+from pagedinfer.service.reasoning import PROMPT_TAIL_TOKENS, ReasoningParser, ReasoningStream
 
 log = logging.getLogger("pagedinfer.http")
 
@@ -54,6 +61,19 @@ class ChatJob:
     request: ChatCompletionRequest
     runs: list[PromptRun]
     token_text: TokenText
+    reasoning: ReasoningParser | None = None
+    prompt_tail: str = ""  # the prompt's last characters: does it open a thinking block?
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, content) of a choice's whole text."""
+        if self.reasoning is None:
+            return None, text
+        return self.reasoning.split(text, self.prompt_tail)
+
+    def reasoning_streams(self) -> list[ReasoningStream] | None:
+        if self.reasoning is None:
+            return None
+        return [self.reasoning.stream(self.prompt_tail) for _ in range(self.request.n)]
 
     def logprobs(self, entries: list[dict]) -> ChatLogprobs | None:
         if not self.request.logprobs:
@@ -85,7 +105,14 @@ def start_chat(state: ServingState, request: ChatCompletionRequest) -> ChatJob:
     state.check_model(request.model)
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    prompt = encode(engine, "messages", messages=chat_messages(request))
+    options = chat_options(request)
+    messages = chat_messages(request)
+    try:
+        prompts.check_chat_options(options, messages)
+    except ValueError as exc:
+        message = str(exc)
+        raise bad_request(message, message.split(":", 1)[0]) from None
+    prompt = encode(engine, "messages", messages=messages, chat_options=options)
     requested = request.max_completion_tokens
     field_name = "max_completion_tokens"
     if requested is None:
@@ -103,6 +130,19 @@ def start_chat(state: ServingState, request: ChatCompletionRequest) -> ChatJob:
         request=request,
         runs=runs,
         token_text=TokenText(engine.tokenizer),
+        reasoning=state.reasoning_parser,
+        prompt_tail=engine.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        if state.reasoning_parser is not None
+        else "",
+    )
+
+
+def chat_options(request: ChatCompletionRequest) -> prompts.ChatOptions:
+    """How the request's messages are rendered by the chat template."""
+    return prompts.ChatOptions(
+        add_generation_prompt=request.add_generation_prompt,
+        continue_final_message=request.continue_final_message,
+        template_kwargs=request.chat_template_kwargs or {},
     )
 
 
@@ -131,13 +171,24 @@ async def complete(job: ChatJob) -> ChatCompletion:
         choices=[
             ChatChoice(
                 index=i,
-                message=AssistantMessage(content=c.text),
+                message=assistant_message(*job.split(c.text)),
                 logprobs=job.logprobs(c.entries),
                 finish_reason=c.finish_reason,
             )
             for i, c in enumerate(choices)
         ],
         usage=usage(job.runs),
+    )
+
+
+def assistant_message(reasoning: str | None, content: str | None) -> AssistantMessage:
+    return AssistantMessage(content=content, reasoning_content=reasoning, reasoning=reasoning)
+
+
+def delta_of(reasoning: str, content: str) -> ChatDelta:
+    """A stream delta with the new thinking and answer text (empty ones left out)."""
+    return ChatDelta(
+        content=content or None, reasoning_content=reasoning or None, reasoning=reasoning or None
     )
 
 
@@ -160,6 +211,7 @@ async def stream(job: ChatJob) -> AsyncIterator[bytes]:
         )
 
     error = None
+    splitters = job.reasoning_streams()
     try:
         for i in range(job.request.n):
             yield chunk(ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")))
@@ -169,12 +221,21 @@ async def stream(job: ChatJob) -> AsyncIterator[bytes]:
                 yield sse_error(503, "the server aborted the request")
                 return
             entries = delta.logprobs or []
-            if not delta.text and not entries and delta.finish_reason is None:
-                continue  # the engine holds these characters back for now
+            if splitters is None:
+                new = ChatDelta(content=delta.text or None)
+            else:
+                splitter = splitters[delta.index]
+                reasoning, content = splitter.feed(delta.text)
+                if delta.finish_reason is not None:
+                    rest = splitter.finish()
+                    reasoning, content = reasoning + rest[0], content + rest[1]
+                new = delta_of(reasoning, content)
+            if (new.content, new.reasoning, entries, delta.finish_reason) == (None, None, [], None):
+                continue  # held back for now: a stop string or a tag may be forming
             yield chunk(
                 ChatChunkChoice(
                     index=delta.index,
-                    delta=ChatDelta(content=delta.text or None),
+                    delta=new,
                     logprobs=job.logprobs(entries) if entries else None,
                     finish_reason=delta.finish_reason,
                 )

@@ -17,10 +17,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 
 from pagedinfer.service.sampling_params import MAX_LOGPROBS, MAX_N
 
-MAX_STOP_STRINGS = 16  # OpenAI allows 4; some lm-eval tasks stop on 5
+MAX_STOP_STRINGS = 64  # OpenAI allows 4; vLLM and some lm-eval tasks send more
 MAX_STOP_LENGTH = 256  # characters; a stop string's length is held back while streaming
 MAX_STOP_TOKEN_IDS = 64
 MAX_SEED = 2**64 - 1
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for each bias: [-100, 100]
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 class Strict(BaseModel):
@@ -48,7 +50,7 @@ class SamplingFields(Strict):
     stop: Stop | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[int, float] | None = None
     user: str | None = Field(None, max_length=256)
     # vLLM's extra sampling fields.
     top_k: int | None = Field(None, ge=-1)
@@ -57,10 +59,10 @@ class SamplingFields(Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
-    # Fields vLLM's clients send with their defaults; other values are refused.
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Sent by vLLM's clients; fast tokenizers join special tokens as they are.
     spaces_between_special_tokens: bool = True
 
     @field_validator("stop")
@@ -77,6 +79,30 @@ class SamplingFields(Strict):
             if len(s) > MAX_STOP_LENGTH:
                 raise ValueError(f"a stop string must be at most {MAX_STOP_LENGTH} characters")
         return stops
+
+    @field_validator("logit_bias", mode="plain")
+    @classmethod
+    def _check_logit_bias(cls, bias: Any) -> dict[int, float] | None:
+        """OpenAI's form: token ids as strings, each to a bias in [-100, 100]."""
+        if bias is None:
+            return None
+        if not isinstance(bias, dict):
+            raise ValueError("must be an object mapping token ids to biases")
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(bias)}")
+        checked = {}
+        for key, value in bias.items():
+            if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+                raise ValueError(f"key {key!r} is not a token id")
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"the bias of token {key} must be a number")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"the bias of token {key} must be in [-{MAX_LOGIT_BIAS:g}, "
+                    f"{MAX_LOGIT_BIAS:g}], got {value}"
+                )
+            checked[int(key)] = float(value)
+        return checked
 
     @field_validator("stop_token_ids")
     @classmethod
@@ -147,6 +173,9 @@ class ChatMessage(Strict):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCall] | None = None
+    # An assistant turn's thinking, which templates may render or drop.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @field_validator("content", mode="plain")
     @classmethod
@@ -245,6 +274,10 @@ class ChatCompletionRequest(SamplingFields, GuidedFields):
     parallel_tool_calls: bool | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
+    # How the chat template renders the prompt (vLLM's fields).
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class TokenizeRequest(Strict):
@@ -320,6 +353,9 @@ class AssistantMessage(BaseModel):
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
+    # The thinking, when the server runs a reasoning parser (`reasoning` is vLLM's newer name).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -345,11 +381,14 @@ class ChatDelta(BaseModel):
     # OpenAI's tool call deltas: {"index", "id", "type", "function": {"name", "arguments"}}
     # on a call's first chunk, then {"index", "function": {"arguments"}} fragments.
     tool_calls: list[dict[str, Any]] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @model_serializer
     def _present_fields_only(self) -> dict[str, Any]:
-        """A delta carries only what changed: the role once, then content."""
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        """A delta carries only what changed: the role once, then content or thinking."""
+        fields = dict(self)
+        return {k: v for k, v in fields.items() if v is not None}
 
 
 class ChatChunkChoice(BaseModel):

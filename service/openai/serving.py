@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from pagedinfer.service.async_engine import AsyncLLMEngine
     from pagedinfer.service.metrics import RequestTelemetry, Telemetry
     from pagedinfer.service.outputs import CompletionDelta
+    from pagedinfer.service.reasoning import ReasoningParser
 
 log = logging.getLogger("pagedinfer.http")
 
@@ -51,6 +52,7 @@ class ServingState:
     served_model_names: list[str] = field(default_factory=list)
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
     _answering: set[Callable[[], None]] = field(default_factory=set)
     _idle: asyncio.Event | None = None
 
@@ -162,6 +164,10 @@ def sampling_params(
             n=request.n,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            logit_bias=request.logit_bias or {},
+            min_tokens=request.min_tokens,
+            skip_special_tokens=request.skip_special_tokens,
+            include_stop_str_in_output=request.include_stop_str_in_output,
             **kwargs,
         )
     except ValueError as exc:  # the messages start with the field's name
@@ -173,25 +179,19 @@ def refuse_unsupported(request: SamplingFields) -> None:
     """400 for fields accepted for compatibility whose value asks for what is not served."""
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    if request.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
-    if request.min_tokens:
-        raise bad_request("min_tokens is not supported (only 0)", "min_tokens")
-    if not request.skip_special_tokens:
-        raise bad_request("skip_special_tokens=false is not supported", "skip_special_tokens")
-    if request.include_stop_str_in_output:
-        raise bad_request(
-            "include_stop_str_in_output=true is not supported", "include_stop_str_in_output"
-        )
 
 
 def check_stop_token_ids(request: SamplingFields, vocab_size: int) -> None:
-    bad = [t for t in request.stop_token_ids or () if t >= vocab_size]
-    if bad:
-        raise bad_request(
-            f"stop_token_ids holds ids outside the vocabulary [0, {vocab_size}): {bad[:5]}",
-            "stop_token_ids",
-        )
+    """400 for stop_token_ids or logit_bias keys outside the vocabulary."""
+    for name, ids in (
+        ("stop_token_ids", request.stop_token_ids or ()),
+        ("logit_bias", sorted(request.logit_bias or ())),
+    ):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise bad_request(
+                f"{name} holds ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", name
+            )
 
 
 def context_capacity(engine: AsyncLLMEngine) -> int:
@@ -259,10 +259,14 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
     role as `system`."""
     if request.tools:
         raise bad_request("tools are not supported", "tools")
-    return [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for m in request.messages
-    ]
+    messages = []
+    for m in request.messages:
+        message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        messages.append(message)
+    return messages
 
 
 # -------------------------------------------------------------------- engine runs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedinfer.service.prompts import check_token_ids, encode_chat, encode_prompt
+from pagedinfer.service.prompts import ChatOptions, check_token_ids, encode_chat, encode_prompt
 
 
 class Tokenizer:
@@ -14,9 +14,12 @@ class Tokenizer:
         assert not add_special_tokens
         return [ord(c) for c in text]
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool, tokenize: bool):
-        assert add_generation_prompt and tokenize
-        text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+    def apply_chat_template(
+        self, messages, add_generation_prompt: bool, tokenize: bool, continue_final_message=False
+    ):
+        assert tokenize
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        text += "<assistant>" if add_generation_prompt else ""
         return {"input_ids": self.encode(text, add_special_tokens=False)}
 
 
@@ -50,7 +53,7 @@ def test_bad_prompts_are_refused_naming_the_field(kwargs: dict, message: str) ->
 
 def test_chat_template_output_as_a_plain_list_is_taken_as_is() -> None:
     class ListTokenizer(Tokenizer):
-        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        def apply_chat_template(self, messages, **options):
             return [1, 2, 3]
 
     assert encode_chat(ListTokenizer(), [{"role": "system", "content": "x"}]) == [1, 2, 3]
@@ -61,3 +64,19 @@ def test_token_ids_outside_the_vocabulary_are_named() -> None:
     for bad in ([10], [-1], [1, 2.0]):
         with pytest.raises(ValueError, match=r"prompt_token_ids .* \[0, 10\)"):
             check_token_ids(bad, vocab_size=10)
+
+
+def test_chat_options_reach_the_template_and_are_checked() -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]
+    options = ChatOptions(add_generation_prompt=False, continue_final_message=True)
+    assert encode_chat(TOKENIZER, messages, options) == TOKENIZER.encode(
+        "<user>hi<assistant>Sure", add_special_tokens=False
+    )
+    refused = [
+        (ChatOptions(continue_final_message=True), messages, "add_generation_prompt"),
+        (ChatOptions(False, True), messages[:1], "must be an assistant message"),
+        (ChatOptions(template_kwargs={"messages": []}), messages, "chat_template_kwargs: messages"),
+    ]
+    for bad, conversation, message in refused:
+        with pytest.raises(ValueError, match=message):
+            encode_chat(TOKENIZER, conversation, bad)
