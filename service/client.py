@@ -31,6 +31,10 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
         n=params.n,
+        logit_bias=params.logit_bias,
+        min_tokens=params.min_tokens,
+        skip_special_tokens=params.skip_special_tokens,
+        include_stop_str_in_output=params.include_stop_str_in_output,
     )
     if params.seed is not None:
         message.seed = params.seed

@@ -180,6 +180,11 @@ class LLMEngine:
         """The one check of a request: ValueError naming the problem if it could never
         run here. Reads nothing a step changes, so it may run beside one."""
         prompts.check_token_ids(prompt_token_ids, self.vocab_size)
+        biased = sorted(t for t in params.logit_bias if t >= self.vocab_size)
+        if biased:
+            raise ValueError(
+                f"logit_bias holds ids outside the vocabulary [0, {self.vocab_size}): {biased[:5]}"
+            )
         request = Request(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=list(prompt_token_ids),

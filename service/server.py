@@ -234,6 +234,12 @@ def sampling_params_from_proto(message: Any) -> SamplingParams:
     kwargs["stop"] = list(message.stop)
     kwargs["stop_token_ids"] = list(message.stop_token_ids)
     kwargs["ignore_eos"] = message.ignore_eos
+    kwargs["logit_bias"] = dict(message.logit_bias)
+    if message.HasField("min_tokens"):
+        kwargs["min_tokens"] = message.min_tokens
+    if message.HasField("skip_special_tokens"):
+        kwargs["skip_special_tokens"] = message.skip_special_tokens
+    kwargs["include_stop_str_in_output"] = message.include_stop_str_in_output
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:

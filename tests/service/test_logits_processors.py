@@ -149,3 +149,25 @@ def test_include_stop_str_in_output_end_to_end(llm):
     )
     assert cut.outputs[0].finish_reason == kept.outputs[0].finish_reason == "stop"
     assert kept.outputs[0].text == cut.outputs[0].text + " 8"
+
+
+def test_the_grpc_sampling_message_carries_the_fields():
+    from pagedinfer.service.proto import inference_pb2 as pb
+    from pagedinfer.service.server import sampling_params_from_proto
+
+    message = pb.SamplingParams(logit_bias={5: 100.0, 7: -2.5}, min_tokens=3,
+                                skip_special_tokens=False, include_stop_str_in_output=True)  # fmt: skip
+    params = sampling_params_from_proto(message)
+    assert params.logit_bias == {5: 100.0, 7: -2.5}
+    assert params.min_tokens == 3
+    assert not params.skip_special_tokens and params.include_stop_str_in_output
+    defaults = sampling_params_from_proto(pb.SamplingParams())
+    assert (defaults.logit_bias, defaults.min_tokens) == ({}, 0)
+    assert defaults.skip_special_tokens and not defaults.include_stop_str_in_output
+    with pytest.raises(ValueError, match=r"^sampling\.logit_bias"):
+        sampling_params_from_proto(pb.SamplingParams(logit_bias={5: 150.0}))
+
+
+def test_the_engine_refuses_a_bias_outside_the_vocabulary(llm):
+    with pytest.raises(ValueError, match="logit_bias holds ids outside the vocabulary"):
+        llm.generate(["Hi"], SamplingParams(max_tokens=2, logit_bias={10**6: 1.0}))

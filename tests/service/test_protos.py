@@ -64,7 +64,10 @@ def test_committed_descriptor_is_the_compiled_proto(tmp_path):
     )
     assert rc == 0
     compiled = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file[0]
-    for message in compiled.message_type:  # the Python plugin omits derived JSON names
+    messages = list(compiled.message_type)
+    while messages:  # the Python plugin omits derived JSON names, nested messages' too
+        message = messages.pop()
+        messages.extend(message.nested_type)
         for field in message.field:
             field.ClearField("json_name")
     committed = descriptor_pb2.FileDescriptorProto.FromString(pb.DESCRIPTOR.serialized_pb)
@@ -132,6 +135,10 @@ def test_sampling_params_round_trip_through_the_proto():
         ignore_eos=True,
         n=3,
         logprobs=5,
+        logit_bias={5: 100.0, 9: -1.5},
+        min_tokens=2,
+        skip_special_tokens=False,
+        include_stop_str_in_output=True,
     )
     wire = pb.SamplingParams.FromString(sampling_params_to_proto(params).SerializeToString())
     assert sampling_params_from_proto(wire) == params
