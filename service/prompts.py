@@ -31,6 +31,8 @@ class ChatOptions:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    # The request's tools, for templates that render them (OpenAI's form).
+    tools: Sequence[Mapping[str, Any]] | None = None
 
 
 def encode_prompt(
@@ -82,6 +84,7 @@ def encode_chat(
             add_generation_prompt=options.add_generation_prompt,
             continue_final_message=options.continue_final_message,
             tokenize=True,
+            **({"tools": options.tools} if options.tools else {}),
             **options.template_kwargs,
         )
     except jinja2.TemplateError as err:  # the template's own raise_exception, or its sandbox

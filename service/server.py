@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pagedinfer.service.openai.tools import TOOL_PARSERS
 from pagedinfer.service.reasoning import REASONING_PARSERS, get_reasoning_parser
 
 if TYPE_CHECKING:  # grpc and the engine are imported in `run`, keeping `--help` fast
@@ -77,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="split thinking models' reasoning into the chat API's "
                         "reasoning_content (qwen3, smollm3: <think>...</think>; deepseek_r1: "
                         "the output starts inside the thinking)")  # fmt: skip
+    server.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS),
+                        help="how the chat API reads tool calls in the model's text (default: "
+                        "from the chat template; hermes where it says nothing)")  # fmt: skip
     server.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                         help="Prometheus /metrics port (-1 disables it)")  # fmt: skip
     server.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
@@ -101,6 +105,7 @@ class ServerOptions:
     http_port: int | None = DEFAULT_HTTP_PORT
     served_model_names: list[str] | None = None
     reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
     max_queue: int = DEFAULT_MAX_QUEUE
     grace_period: float = DEFAULT_GRACE_PERIOD
     auth_token: str | None = None
@@ -125,6 +130,7 @@ class ServerOptions:
             http_port=None if args.http_port < 0 else args.http_port,
             served_model_names=names,
             reasoning_parser=args.reasoning_parser,
+            tool_call_parser=args.tool_call_parser,
             max_queue=args.max_queue,
             grace_period=args.grace_period,
             auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None,
@@ -520,6 +526,7 @@ async def serve(config: EngineConfig, options: ServerOptions) -> int:
         http_state = ServingState(max_queue=options.max_queue, telemetry=servicer.telemetry)
         if options.reasoning_parser is not None:
             http_state.reasoning_parser = get_reasoning_parser(options.reasoning_parser)
+        http_state.tool_call_parser = options.tool_call_parser
         http = HttpServer(create_app(http_state, options.auth_token), options.host,
                           options.http_port, options.tls_cert, options.tls_key)  # fmt: skip
 

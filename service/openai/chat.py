@@ -8,6 +8,7 @@ and in stream deltas (`pagedinfer.service.reasoning`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -25,6 +26,7 @@ from pagedinfer.service.openai.protocol import (
     ChatDelta,
     ChatLogprobs,
     TokenLogprob,
+    ToolCall,
 )
 from pagedinfer.service.openai.serving import (
     AbortedError,
@@ -46,6 +48,7 @@ from pagedinfer.service.openai.serving import (
     usage,
 )
 from pagedinfer.service.openai.structured import constrained
+from pagedinfer.service.openai.tools import ToolPlan, ToolStream, prepare_tools
 from pagedinfer.service.reasoning import PROMPT_TAIL_TOKENS, ReasoningParser, ReasoningStream
 
 log = logging.getLogger("pagedinfer.http")
@@ -63,6 +66,19 @@ class ChatJob:
     token_text: TokenText
     reasoning: ReasoningParser | None = None
     prompt_tail: str = ""  # the prompt's last characters: does it open a thinking block?
+    tools: ToolPlan | None = None
+
+    def answer(self, text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
+        """A choice's message, with its tool calls, and its finish reason."""
+        reasoning, content = self.split(text)
+        calls = []
+        if self.tools is not None and self.tools.parses_calls:
+            content, calls = self.tools.parse(content or "")
+        message = assistant_message(reasoning, content)
+        if calls:
+            message.tool_calls = [ToolCall.model_validate(c.as_tool_call()) for c in calls]
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return message, finish_reason
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a choice's whole text."""
@@ -106,7 +122,9 @@ def start_chat(state: ServingState, request: ChatCompletionRequest) -> ChatJob:
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     options = chat_options(request)
-    messages = chat_messages(request)
+    tools, messages, options = prepare_tools(
+        request, chat_messages(request), options, engine, state.tool_call_parser
+    )
     try:
         prompts.check_chat_options(options, messages)
     except ValueError as exc:
@@ -121,6 +139,14 @@ def start_chat(state: ServingState, request: ChatCompletionRequest) -> ChatJob:
     check_stop_token_ids(request, engine.vocab_size)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     params = constrained(engine, request, sampling_params(request, max_tokens, logprobs, None))
+    if tools is not None and tools.output is not None:
+        if params.structured_output is not None:
+            raise bad_request(
+                "tool_choice required or a named function cannot be combined with a "
+                "structured output",
+                "tool_choice",
+            )
+        params = dataclasses.replace(params, structured_output=tools.output)
     state.check_queue(engine, 1)
     runs = start_runs(state, engine, [(prompt, params)], "chat", request.cache_salt)
     return ChatJob(
@@ -134,6 +160,7 @@ def start_chat(state: ServingState, request: ChatCompletionRequest) -> ChatJob:
         prompt_tail=engine.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
         if state.reasoning_parser is not None
         else "",
+        tools=tools,
     )
 
 
@@ -164,6 +191,7 @@ async def complete(job: ChatJob) -> ChatCompletion:
         raise
     finally:
         await close_runs(job.runs, error)
+    answers = [job.answer(c.text, c.finish_reason) for c in choices]
     return ChatCompletion(
         id=job.id,
         created=job.created,
@@ -171,11 +199,11 @@ async def complete(job: ChatJob) -> ChatCompletion:
         choices=[
             ChatChoice(
                 index=i,
-                message=assistant_message(*job.split(c.text)),
+                message=message,
                 logprobs=job.logprobs(c.entries),
-                finish_reason=c.finish_reason,
+                finish_reason=finish_reason,
             )
-            for i, c in enumerate(choices)
+            for i, (c, (message, finish_reason)) in enumerate(zip(choices, answers, strict=True))
         ],
         usage=usage(job.runs),
     )
@@ -212,6 +240,9 @@ async def stream(job: ChatJob) -> AsyncIterator[bytes]:
 
     error = None
     splitters = job.reasoning_streams()
+    tool_streams: list[ToolStream] | None = None
+    if job.tools is not None:
+        tool_streams = [job.tools.stream() for _ in range(job.request.n)]
     try:
         for i in range(job.request.n):
             yield chunk(ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")))
@@ -230,14 +261,30 @@ async def stream(job: ChatJob) -> AsyncIterator[bytes]:
                     rest = splitter.finish()
                     reasoning, content = reasoning + rest[0], content + rest[1]
                 new = delta_of(reasoning, content)
-            if (new.content, new.reasoning, entries, delta.finish_reason) == (None, None, [], None):
+            finish_reason = delta.finish_reason
+            if tool_streams is not None:
+                calls = tool_streams[delta.index]
+                content, tool_deltas = calls.feed(new.content or "")
+                if finish_reason is not None:
+                    rest, more = calls.finish()
+                    content, tool_deltas = content + rest, tool_deltas + more
+                    if calls.sent_calls and finish_reason == "stop":
+                        finish_reason = "tool_calls"
+                new.content, new.tool_calls = content or None, tool_deltas or None
+            if (new.content, new.reasoning, new.tool_calls, entries, finish_reason) == (
+                None,
+                None,
+                None,
+                [],
+                None,
+            ):
                 continue  # held back for now: a stop string or a tag may be forming
             yield chunk(
                 ChatChunkChoice(
                     index=delta.index,
                     delta=new,
                     logprobs=job.logprobs(entries) if entries else None,
-                    finish_reason=delta.finish_reason,
+                    finish_reason=finish_reason,
                 )
             )
         if include_usage:

@@ -53,6 +53,7 @@ class ServingState:
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
+    tool_call_parser: str | None = None  # --tool-call-parser; None: from the chat template
     _answering: set[Callable[[], None]] = field(default_factory=set)
     _idle: asyncio.Event | None = None
 
@@ -257,8 +258,6 @@ def encode(engine: AsyncLLMEngine, param: str, **prompt: Any) -> list[int]:
 def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
     """The messages as the chat template takes them: text content, OpenAI's `developer`
     role as `system`."""
-    if request.tools:
-        raise bad_request("tools are not supported", "tools")
     messages = []
     for m in request.messages:
         message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}

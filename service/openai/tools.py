@@ -1,0 +1,493 @@
+"""Tool calling on /v1/chat/completions: tools to the model, its calls back as tool_calls.
+
+Tools reach the model through its chat template (`tools`), or, where the template has
+no place for them, through `FALLBACK_PROMPT` in the system message, which asks for
+Hermes-style `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks; earlier
+tool calls and tool results in the history are rendered the same way for such a
+template.
+
+`tool_choice`:
+- "none": the model writes text (the tools are still shown, as OpenAI does).
+- "auto" (the default with tools): the model's text is parsed by the family's parser
+  (`--tool-call-parser`: hermes for Qwen2.5/Qwen3/SmolLM3 and the fallback prompt,
+  llama3_json, mistral); text before the first call stays content.
+- "required" and a named function: the output is constrained by a grammar built from
+  the tools' parameter schemas, so the arguments always validate: a JSON array of
+  `{"name", "arguments"}` objects for "required" (one, unless parallel_tool_calls), the
+  arguments object itself for a named function.
+
+Streaming sends each call as OpenAI does: a first delta with its index, id, type and
+name (arguments ""), then its arguments. A call is sent once its text is complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedinfer.service.openai.errors import bad_request
+from pagedinfer.service.openai.protocol import ChatCompletionRequest, NamedToolChoice, Tool
+from pagedinfer.service.structured_output import GrammarError, StructuredOutput
+
+FALLBACK_PROMPT = (
+    "You may call one or more functions to assist with the user query. The functions "
+    "are given as JSON schemas within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n"
+    "To call a function, answer with a JSON object holding its name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{{"name": <function-name>, '
+    '"arguments": <args-json-object>}}\n</tool_call>'
+)
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+@dataclass
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text of an object
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def as_tool_call(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+# ------------------------------------------------------------------------ parsers
+
+
+class ToolParser:
+    """Finds a model family's tool calls in its text."""
+
+    name = ""
+    start = ""  # the text that opens the calls: what a stream holds back
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        """(content before the calls or None, the calls); no calls: (text, [])."""
+        raise NotImplementedError
+
+    def complete_calls(self, text: str) -> int:
+        """How many calls of a stream's held text are complete (sent before the end)."""
+        return 0
+
+    def calls_start(self, text: str, content_sent: bool) -> int | None:
+        """Where calls may start in a stream's text: the marker, or a tail that may grow
+        into it (None: nothing to hold back)."""
+        at = text.find(self.start)
+        return at if at >= 0 else len(text) - _partial_suffix(text, self.start)
+
+    def opened(self, held: str) -> bool:
+        """Whether the held text surely begins the calls (not a partial marker)."""
+        return held.startswith(self.start)
+
+
+class HermesParser(ToolParser):
+    """`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one or more."""
+
+    name = "hermes"
+    start = "<tool_call>"
+    _call = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        head, marker, _ = text.partition(self.start)
+        if not marker:
+            return text, []
+        calls = [c for body in self._call.findall(text) if (c := _call_of(body)) is not None]
+        if not calls:
+            return text, []
+        return head.strip() or None, calls
+
+    def complete_calls(self, text: str) -> int:
+        return text.count("</tool_call>")
+
+
+class Llama3JsonParser(ToolParser):
+    """Llama 3.x: the whole answer is `{"name": ..., "parameters": {...}}` (several
+    separated by `;`), optionally after `<|python_tag|>`."""
+
+    name = "llama3_json"
+    start = "{"
+
+    def calls_start(self, text: str, content_sent: bool) -> int | None:
+        # Calls are the whole answer: hold it while it may be one, until the end.
+        head = text.lstrip()
+        return 0 if not content_sent and (not head or head[0] in "{<") else None
+
+    def opened(self, held: str) -> bool:
+        return False  # sent whole at the end
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        if not body.startswith("{"):
+            return text, []
+        calls = []
+        for part in _split_objects(body):
+            call = _call_of(part)
+            if call is None:
+                return text, []
+            calls.append(call)
+        return (None, calls) if calls else (text, [])
+
+
+class MistralParser(ToolParser):
+    """Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`."""
+
+    name = "mistral"
+    start = "[TOOL_CALLS]"
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        head, marker, rest = text.partition(self.start)
+        if not marker:
+            return text, []
+        try:
+            items = json.loads(rest.strip())
+        except json.JSONDecodeError:
+            return text, []
+        items = items if isinstance(items, list) else [items]
+        calls = [c for item in items if (c := _call_of(item)) is not None]
+        if len(calls) != len(items) or not calls:
+            return text, []
+        return head.strip() or None, calls
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)
+}
+
+
+def default_parser(chat_template: str | None) -> str:
+    """The parser for a model, from its chat template; hermes (the fallback prompt's
+    format) where the template says nothing."""
+    template = chat_template or ""
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_tag|>" in template or "ipython" in template:
+        return "llama3_json"
+    return "hermes"
+
+
+def _call_of(body: str | dict) -> ParsedCall | None:
+    try:
+        item = json.loads(body) if isinstance(body, str) else body
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+        return None
+    arguments = item.get("arguments", item.get("parameters", {}))
+    if isinstance(arguments, str):  # some models write the arguments as JSON text
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ParsedCall(item["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _split_objects(text: str) -> list[str]:
+    """`{...}; {...}` -> the JSON objects' texts (a decoder pass, not a split on ';')."""
+    decoder = json.JSONDecoder()
+    parts, i = [], 0
+    while i < len(text):
+        while i < len(text) and text[i] in " \n\t;":
+            i += 1
+        if i >= len(text):
+            break
+        try:
+            _, end = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return [text]
+        parts.append(text[i:end])
+        i = end
+    return parts
+
+
+# -------------------------------------------------------------------- the request
+
+
+@dataclass
+class ToolPlan:
+    """How one chat request uses its tools."""
+
+    mode: str  # "none", "auto", "required" or "named"
+    tools: list[dict[str, Any]]  # OpenAI's form, for the chat template
+    parser: ToolParser | None = None  # auto: reads the model's calls
+    output: StructuredOutput | None = None  # required / named: the grammar
+    named: str | None = None
+
+    @property
+    def parses_calls(self) -> bool:
+        return self.mode != "none"
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        """(content, calls) of a choice's whole text."""
+        if self.mode == "named":
+            return None, [ParsedCall(self.named or "", _normalised(text))]
+        if self.mode == "required":
+            try:
+                items = json.loads(text)
+            except json.JSONDecodeError:
+                return text, []  # cut short by max_tokens
+            calls = [c for item in items if (c := _call_of(item)) is not None]
+            return None, calls
+        if self.parser is None:
+            return text, []
+        return self.parser.parse(text)
+
+    def stream(self) -> ToolStream:
+        return ToolStream(self)
+
+
+def _normalised(text: str) -> str:
+    try:
+        return json.dumps(json.loads(text), ensure_ascii=False)
+    except json.JSONDecodeError:
+        return text  # cut short by max_tokens: as written
+
+
+def plan_tools(request: ChatCompletionRequest, parser_name: str, grammars: Any) -> ToolPlan | None:
+    """The request's tool plan; None without tools. 400 naming the field for a tool
+    whose parameters is not a JSON schema the engine can enforce, an unknown function
+    in tool_choice, or a tool_choice that needs tools."""
+    tools = request.tools or []
+    choice = request.tool_choice
+    if not tools:
+        if choice in ("required",) or isinstance(choice, NamedToolChoice):
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        return None
+    schemas = {}
+    for i, tool in enumerate(tools):
+        schemas[tool.function.name] = _parameters(tool, i, grammars)
+    if len(schemas) != len(tools):
+        raise bad_request("tools must have distinct function names", "tools")
+    openai_tools = [tool.model_dump(by_alias=True, exclude_none=True) for tool in tools]
+    for tool in openai_tools:
+        tool["function"].setdefault("parameters", EMPTY_PARAMETERS)
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        if name not in schemas:
+            raise bad_request(
+                f"tool_choice names function {name!r}, which is not among the tools "
+                f"({', '.join(schemas)})",
+                "tool_choice",
+            )
+        return ToolPlan(
+            "named", openai_tools, output=StructuredOutput.json_schema(schemas[name]), named=name
+        )
+    if choice == "required":
+        calls = {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": name}, "arguments": schema},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+                for name, schema in schemas.items()
+            ]
+        }
+        array: dict[str, Any] = {"type": "array", "items": calls, "minItems": 1}
+        if request.parallel_tool_calls is False:
+            array["maxItems"] = 1
+        return ToolPlan("required", openai_tools, output=StructuredOutput.json_schema(array))
+    if choice == "none":
+        return ToolPlan("none", openai_tools)
+    return ToolPlan("auto", openai_tools, parser=TOOL_PARSERS[parser_name]())
+
+
+def _parameters(tool: Tool, index: int, grammars: Any) -> dict[str, Any]:
+    param = f"tools[{index}].function.parameters"
+    schema = tool.function.parameters
+    if schema is None:
+        return EMPTY_PARAMETERS
+    if not isinstance(schema, dict):
+        raise bad_request(
+            f"{param} must be a JSON schema object, got {type(schema).__name__}", param
+        )
+    if schema.get("type", "object") != "object":
+        raise bad_request(
+            f"{param} must be a JSON schema of type object, got type {schema['type']!r}", param
+        )
+    try:
+        grammars.check(StructuredOutput.json_schema(schema))
+    except GrammarError as err:
+        raise bad_request(f"{param}: {err}", param) from None
+    return schema
+
+
+def template_supports_tools(chat_template: str | None) -> bool:
+    return chat_template is not None and "tools" in chat_template
+
+
+def render_history(
+    messages: list[dict[str, Any]], plan: ToolPlan | None, native: bool
+) -> list[dict[str, Any]]:
+    """The messages for the chat template: with a template that takes tools (`native`),
+    assistant tool calls with their arguments as objects, as templates expect; without,
+    the fallback prompt in the system message and calls and results as Hermes text."""
+    out = []
+    for message in messages:
+        message = dict(message)
+        calls = message.pop("tool_calls", None)
+        if calls and native:
+            message["tool_calls"] = [
+                {**c, "function": {**c["function"], "arguments": _loaded(c)}} for c in calls
+            ]
+        elif calls:
+            blocks = [
+                "<tool_call>\n"
+                + json.dumps({"name": c["function"]["name"], "arguments": _loaded(c)})
+                + "\n</tool_call>"
+                for c in calls
+            ]
+            message["content"] = "\n".join(filter(None, [message.get("content") or "", *blocks]))
+        if message["role"] == "tool" and not native:
+            message["content"] = f"<tool_response>\n{message['content']}\n</tool_response>"
+        if message.get("content") is None:
+            message["content"] = ""
+        out.append(message)
+    if plan is not None and not native:
+        prompt = FALLBACK_PROMPT.format(tools="\n".join(json.dumps(t) for t in plan.tools))
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def _loaded(call: dict[str, Any]) -> Any:
+    arguments = call["function"]["arguments"]
+    try:
+        return json.loads(arguments)
+    except (json.JSONDecodeError, TypeError):
+        return arguments
+
+
+# ---------------------------------------------------------------------- streaming
+
+
+class ToolStream:
+    """One choice's stream: content as it comes until calls may start, then each call's
+    deltas once its text is complete (the rest at the end). A named call streams its
+    arguments as they are written."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.held = ""  # text that may be (part of) tool calls
+        self.sent_calls = 0
+        self.in_content = plan.mode == "auto"
+        self.content_sent = False
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """(content to send now, tool call deltas to send now) for new text."""
+        mode, parser = self.plan.mode, self.plan.parser
+        if mode == "none":
+            return text, []
+        if mode == "named":
+            return "", self._named(text)
+        self.held += text
+        content = ""
+        if self.in_content and parser is not None:
+            at = parser.calls_start(self.held, self.content_sent)
+            if at is None:
+                at = len(self.held)
+            content, self.held = self.held[:at], self.held[at:]
+            self.content_sent = self.content_sent or bool(content.strip())
+            if not parser.opened(self.held):
+                return content, []
+            self.in_content = False
+        deltas: list[dict[str, Any]] = []
+        if parser is not None and parser.complete_calls(self.held) > self.sent_calls:
+            _, calls = parser.parse(self.held)
+            deltas = self._send(calls[: parser.complete_calls(self.held)])
+        return content, deltas
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """What is left at the end: content, or the remaining calls."""
+        if self.plan.mode in ("none", "named"):
+            return "", []
+        content, calls = self.plan.parse(self.held)
+        if not calls:
+            return (self.held if self.plan.mode == "auto" else (content or "")), []
+        return "", self._send(calls)
+
+    def _named(self, text: str) -> list[dict[str, Any]]:
+        deltas: list[dict[str, Any]] = []
+        if self.sent_calls == 0:
+            call = ParsedCall(self.plan.named or "", "")
+            deltas.append(
+                {
+                    "index": 0,
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": ""},
+                }
+            )
+            self.sent_calls = 1
+        if text:
+            deltas.append({"index": 0, "function": {"arguments": text}})
+        return deltas
+
+    def _send(self, calls: Sequence[ParsedCall]) -> list[dict[str, Any]]:
+        deltas = []
+        for index in range(self.sent_calls, len(calls)):
+            call = calls[index]
+            deltas.append(
+                {
+                    "index": index,
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": ""},
+                }
+            )
+            deltas.append({"index": index, "function": {"arguments": call.arguments}})
+        self.sent_calls = max(self.sent_calls, len(calls))
+        return deltas
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that starts `marker`."""
+    for length in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-length:]):
+            return length
+    return 0
+
+
+def prepare_tools(
+    request: ChatCompletionRequest,
+    messages: list[dict[str, Any]],
+    options: Any,
+    engine: Any,
+    parser_name: str | None,
+) -> tuple[ToolPlan | None, list[dict[str, Any]], Any]:
+    """(the request's tool plan, the messages for the template, the chat options with
+    the tools where the template renders them). `messages` are `chat_messages`'s, in
+    the order of `request.messages`; their tool calls and tool call ids are added here."""
+    template = getattr(engine.tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        template = None
+    name = parser_name or default_parser(template)
+    plan = plan_tools(request, name, engine.engine.grammars)
+    history = []
+    for message, given in zip(messages, request.messages, strict=True):
+        message = dict(message)
+        if given.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in given.tool_calls]
+        if given.tool_call_id is not None:
+            message["tool_call_id"] = given.tool_call_id
+        if given.name is not None and given.role == "tool":
+            message["name"] = given.name
+        history.append(message)
+    uses_tools = plan is not None or any("tool_calls" in m for m in history)
+    if not uses_tools and all(m["role"] != "tool" for m in history):
+        return plan, messages, options
+    native = template_supports_tools(template)
+    history = render_history(history, plan, native)
+    if plan is not None and native:
+        options = dataclasses.replace(options, tools=plan.tools)
+    return plan, history, options

@@ -1,0 +1,234 @@
+"""Structured outputs and tool calls over the HTTP API, driven by the `openai` SDK as
+applications drive it (`chat.completions.parse`, tools, streamed tool calls), against a
+real `pagedinfer serve` with the embedded model; and the tool-call parsers on their own."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+from test_http_api import Api
+from test_server import start_server, stop_server
+
+from pagedinfer.service.openai.protocol import ChatCompletionRequest
+from pagedinfer.service.openai.tools import (
+    HermesParser,
+    Llama3JsonParser,
+    MistralParser,
+    ToolPlan,
+    ToolStream,
+)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 20}},
+            "required": ["zone"],
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+class City(BaseModel):
+    name: str = Field(max_length=30)
+    country: str = Field(max_length=30)
+    population: int = Field(ge=0, le=100_000_000)
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory):
+    server = start_server(tmp_path_factory.mktemp("tools"), "--max-model-len", "512")
+    yield Api(server)
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def client(api) -> openai.OpenAI:
+    return api.client()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_sdk_parse_gives_a_validated_pydantic_object(client, temperature):
+    completion = client.chat.completions.parse(
+        model=None,
+        messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+        response_format=City,
+        temperature=temperature,
+        seed=5,
+        max_tokens=120,
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop"
+    city = choice.message.parsed
+    assert isinstance(city, City)
+    assert City.model_validate_json(choice.message.content) == city
+
+
+@pytest.mark.slow
+def test_required_tool_call_round_trip(client):
+    first = client.chat.completions.create(
+        model=None, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+        parallel_tool_calls=False, temperature=1.0, seed=3, max_tokens=100,
+    )  # fmt: skip
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    jsonschema.validate(json.loads(call.function.arguments), schema[call.function.name])
+    # The call and its result go back in the history; the model answers in text.
+    history = [
+        *ASK,
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21}'},
+    ]
+    second = client.chat.completions.create(
+        model=None, messages=history, tools=[WEATHER, TIME], temperature=0, max_tokens=30
+    )
+    assert second.choices[0].message.content
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+@pytest.mark.slow
+def test_named_tool_call_streams_as_openai_does(client):
+    stream = client.chat.completions.create(
+        model=None, messages=ASK, tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0, max_tokens=100, stream=True,
+    )  # fmt: skip
+    deltas, finish = [], None
+    for chunk in stream:
+        for choice in chunk.choices:
+            deltas.extend(choice.delta.tool_calls or [])
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls"
+    head, *fragments = deltas
+    assert head.index == 0 and head.id.startswith("call_") and head.type == "function"
+    assert head.function.name == "get_weather" and head.function.arguments == ""
+    assert len(fragments) > 1 and all(f.id is None and f.index == 0 for f in fragments)
+    arguments = "".join(f.function.arguments for f in fragments)
+    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
+
+
+@pytest.mark.slow
+def test_completions_take_vllm_structured_outputs_and_guided_fields(client):
+    choice = client.completions.create(
+        model=None, prompt="The answer is", max_tokens=8, temperature=1.0,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    ).choices[0]  # fmt: skip
+    assert choice.text in {"yes", "no"}
+    phone = client.completions.create(
+        model=None, prompt="Call me at", max_tokens=12, temperature=0.7,
+        extra_body={"guided_regex": r"[0-9]{3}-[0-9]{4}"},
+    ).choices[0]  # fmt: skip
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", phone.text)
+
+
+BAD = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+     "response_format.json_schema.schema", "Invalid type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"dependentRequired": {"a": ["b"]}}}}},
+     "response_format.json_schema.schema", "cannot enforce"),
+    ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs.regex", "unclosed character class"),
+    ({"structured_outputs": {"grammar": "start: nowhere"}}, "structured_outputs.grammar", "unknown name"),
+    ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    ({"guided_choice": []}, "guided_choice", "non-empty list"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice", "not among the tools"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "city"}}]},
+     "tools[0].function.parameters", "must be a JSON schema object"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters", "of type object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": "DEEP"}}},
+     "response_format.json_schema.schema", "nests deeper than"),
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("fields", "param", "message"), BAD)
+def test_bad_structured_input_is_a_400_naming_the_field(api, fields, param, message):
+    if fields.get("response_format", {}).get("json_schema", {}).get("schema") == "DEEP":
+        deep: dict = {"type": "string"}
+        for _ in range(64):
+            deep = {"type": "object", "properties": {"a": deep}}
+        fields = {"response_format": {"type": "json_schema",
+                                      "json_schema": {"name": "deep", "schema": deep}}}  # fmt: skip
+    reply = api.post("/v1/chat/completions", {"messages": ASK, "max_tokens": 5, **fields})
+    assert reply.status == 400, reply.body
+    error = reply.json()["error"]
+    assert error["param"] == param
+    assert message in error["message"]
+
+
+# ---------------------------------------------------------------- parsers alone
+
+
+def test_hermes_parser_splits_content_and_calls():
+    text = 'Let me check.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>'
+    content, calls = HermesParser().parse(text)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": 1}), ("g", {})]
+    assert HermesParser().parse("no calls here") == ("no calls here", [])
+
+
+def test_llama3_and_mistral_parsers():
+    _, calls = Llama3JsonParser().parse('<|python_tag|>{"name": "f", "parameters": {"x": "y"}}')
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": "y"})]
+    assert Llama3JsonParser().parse("Hello {there}") == ("Hello {there}", [])
+    content, calls = MistralParser().parse('Sure[TOOL_CALLS][{"name": "f", "arguments": {"k": 2}}]')
+    assert content == "Sure" and [c.name for c in calls] == ["f"]
+
+
+def test_tool_stream_holds_back_a_forming_marker_and_sends_each_call_once():
+    stream = ToolStream(ToolPlan("auto", [], parser=HermesParser()))
+    pieces = ["Sure. <tool", '_call>\n{"name": "f", ', '"arguments": {"a": 1}}\n</tool_call>', "\n"]
+    sent = [stream.feed(p) for p in pieces]
+    assert sent[0] == ("Sure. ", [])  # "<tool" may begin a call: held back
+    assert sent[1] == ("", [])
+    head, args = sent[2][1]
+    assert head["function"] == {"name": "f", "arguments": ""} and head["index"] == 0
+    assert args == {"index": 0, "function": {"arguments": '{"a": 1}'}}
+    assert stream.finish() == ("", [])  # nothing sent twice
+
+
+def test_request_accepts_tool_history():
+    request = ChatCompletionRequest.model_validate(
+        {
+            "messages": [
+                *ASK,
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+            ],
+            "tools": [WEATHER],
+        }
+    )  # fmt: skip
+    assert request.messages[1].tool_calls[0].function.name == "get_weather"
