@@ -1,8 +1,8 @@
 """The FastAPI application of the OpenAI-compatible API (docs/architecture.md section 8).
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-POST /tokenize, POST /detokenize, GET /metrics. Every refusal is an OpenAI error body;
-FastAPI's and Starlette's own errors (422 validation, 404 route, 405 method) are
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (stateless),
+GET /v1/models, GET /health, POST /tokenize, POST /detokenize, GET /metrics. Every refusal
+is an OpenAI error body; FastAPI's and Starlette's own errors (422 validation, 404 route, 405 method) are
 turned into one too, and an unexpected failure answers 500 without details.
 
 A client that goes away aborts its request: a stream notices at once (its disconnect
@@ -26,7 +26,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedinfer.service.openai import chat, completions
+from pagedinfer.service.openai import chat, completions, responses
 from pagedinfer.service.openai.errors import APIError, from_errors, from_validation_error
 from pagedinfer.service.openai.protocol import (
     ChatCompletionRequest,
@@ -114,6 +114,18 @@ def create_app(state: ServingState, auth_token: str | None = None) -> FastAPI:
     async def create_chat_completion(request: Request) -> Response:
         body = await parse(request, ChatCompletionRequest)
         return await _generate(request, state, body, chat.start_chat, chat.complete, chat.stream)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        body = await parse(request, responses.ResponsesRequest)
+        return await _generate(
+            request,
+            state,
+            body,
+            responses.start_response,
+            responses.complete,
+            responses.stream,
+        )
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> TokenizeResponse:
