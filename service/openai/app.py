@@ -2,8 +2,9 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (stateless),
 GET /v1/models, GET /health, POST /tokenize, POST /detokenize, GET /metrics. Every refusal
-is an OpenAI error body; FastAPI's and Starlette's own errors (422 validation, 404 route, 405 method) are
-turned into one too, and an unexpected failure answers 500 without details.
+is an OpenAI error body; FastAPI's and Starlette's own errors (422 validation, 404 route,
+405 method) are turned into one too, and an unexpected failure answers 500 without
+details.
 
 A client that goes away aborts its request: a stream notices at once (its disconnect
 is watched beside the events it sends), a whole response as well (its disconnect
