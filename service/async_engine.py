@@ -2,6 +2,8 @@
 
 `AsyncLLMEngine` steps `LLMEngine` in a worker thread, so the event loop stays free
 for the servers; adds and aborts queue up and are applied by the worker between steps.
+A CPU backend still compiling when the loop starts takes over as soon as it is ready,
+at the next step, even when no request is running (`ModelRunner.take_over`).
 A request is checked (`LLMEngine.make_request`) when it is added, on the caller's
 side, so that bad input fails at once and never reaches the loop.
 """
@@ -16,6 +18,7 @@ import threading
 import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from pagedinfer.service.config import EngineConfig
 from pagedinfer.service.engine import EngineStats, LLMEngine
@@ -74,6 +77,7 @@ class AsyncLLMEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self._stopped = threading.Event()  # ends the watch on the CPU backend's warm-up
         self._ids = itertools.count()
         self._stats = self.engine.stats()
 
@@ -93,9 +97,19 @@ class AsyncLLMEngine:
 
     async def start(self) -> None:
         self._wake = asyncio.Event()
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name="engine-loop")
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._loop(), name="engine-loop")
+        executor = self.engine.runner.pending_executor
+        if executor is not None:
+            threading.Thread(
+                target=self._take_over_when_ready,
+                args=(executor, loop),
+                name="pagedinfer-take-over",
+                daemon=True,
+            ).start()
 
     async def shutdown(self) -> None:
+        self._stopped.set()
         for request_id in list(self._streams):
             self.abort(request_id)
         if self._task is not None:
@@ -139,6 +153,16 @@ class AsyncLLMEngine:
         if self._wake is not None:
             self._wake.set()
 
+    def _take_over_when_ready(self, executor: Any, loop: asyncio.AbstractEventLoop) -> None:
+        """Wait for the CPU backend's warm-up, then wake the loop to switch to it between
+        steps (a warm-up that failed never becomes ready: the torch forward serves on)."""
+        while not executor.wait_ready(1.0):
+            if self._stopped.is_set() or executor.error is not None:
+                return
+        if not self._stopped.is_set():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(self._submit, "take_over", ())
+
     def _step(self) -> list[CompletionDelta]:
         """Runs in the worker thread: apply queued adds and aborts, then one step."""
         with self._lock:
@@ -156,6 +180,8 @@ class AsyncLLMEngine:
                         CompletionDelta.aborted(request.request_id, i)
                         for i in range(request.sampling_params.n)
                     )
+            elif op == "take_over":
+                self.engine.runner.take_over()
             else:
                 deltas.extend(self.engine.abort(*args))
         if self.engine.has_unfinished():

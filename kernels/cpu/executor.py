@@ -422,10 +422,16 @@ class CpuExecutor:
             # prompt (the slowest step to run).
             steps = steps[1:]
         fused_paths = (False,) if self.fused is None else (True,) if cached else (True, False)
-        for use_fused in fused_paths:
-            lengths = [0, 0]
-            for step in steps:
-                self._warm_up_step(caches, block_size, lengths, step, use_fused)
+        from pagedinfer.kernels.cpu.compile_progress import compile_progress
+
+        # Each kernel compiled is logged; the steps only where they compile (a first start).
+        level = logging.DEBUG if cached else logging.INFO
+        with compile_progress(len(fused_paths) * len(steps), level) as progress:
+            for use_fused in fused_paths:
+                lengths = [0, 0]
+                for step in steps:
+                    progress.begin_step()
+                    self._warm_up_step(caches, block_size, lengths, step, use_fused)
 
     def _warm_up_step(
         self,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 
 import pytest
 
@@ -117,3 +119,43 @@ def test_engine_abort_reports_only_the_samples_still_running(engine):
         (0, "abort"),
         (2, "abort"),
     ]
+
+
+class WarmingUp:
+    """Stands in for a CPU executor whose background warm-up ends when the test says."""
+
+    def __init__(self) -> None:
+        self.finished = threading.Event()
+        self.active = False
+        self.error: BaseException | None = None
+        self.activated_on: str | None = None  # the thread that switched to it
+
+    @property
+    def ready(self) -> bool:
+        return self.finished.is_set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self.finished.wait(timeout)
+
+    def activate(self, released=None) -> None:
+        self.active = True
+        self.activated_on = threading.current_thread().name
+
+
+def test_a_cpu_backend_ready_while_idle_takes_over_without_waiting_for_a_request(
+    engine, monkeypatch, caplog
+):
+    warming = WarmingUp()
+    monkeypatch.setattr(engine.engine.runner, "executor", warming)
+
+    async def scenario():
+        await asyncio.sleep(0)  # the loop now waits for requests
+        warming.finished.set()
+        while not warming.active:  # no request comes: the loop wakes by itself
+            await asyncio.sleep(0.01)
+
+    with caplog.at_level(logging.INFO, logger="pagedinfer.service.model_runner"):
+        run(engine, lambda: asyncio.wait_for(scenario(), timeout=60))
+    assert warming.activated_on.startswith("engine-step")  # between steps, on their thread
+    assert "the compiled path serves from this step on" in caplog.text
+    assert not engine.engine.has_unfinished()
