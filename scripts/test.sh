@@ -3,6 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+echo "test: installing the test tools" >&2
+.venv/bin/python -m pip install --quiet -e ".[test]"
 export PATH="$PWD/.venv/bin:$PATH"
 # Tests start several processes (servers, operators) side by side on few cores: one
 # torch thread each avoids OpenMP oversubscription, which slows every process down.

@@ -182,11 +182,13 @@ class RequestTelemetry:
     samples: dict[int, _Sample] = field(default_factory=dict)
     finish_reasons: dict[int, str] = field(default_factory=dict)
     vllm: VllmMetrics | None = None  # the vLLM-named series, fed alongside
+    num_samples: int = 1  # the request's n: each sample ends with a reason, abort at worst
     _queue_recorded: bool = False
     _ended: bool = False
 
-    def queued(self, prompt_tokens: int) -> None:
+    def queued(self, prompt_tokens: int, num_samples: int = 1) -> None:
         self.prompt_tokens = prompt_tokens
+        self.num_samples = num_samples
         self.span.set_attribute("gen_ai.usage.input_tokens", prompt_tokens)
         self.span.add_event("queued", {"prompt_tokens": prompt_tokens})
 
@@ -247,6 +249,13 @@ class RequestTelemetry:
             attributes["error.type"] = error_type
         self.metrics.request_duration.record(now - self.started_at, attributes)
         output_tokens = sum(s.completion_tokens for s in self.samples.values())
+        # A sample that ends without a reason was cut: the client went away, its deadline
+        # passed, the server shut down or failed; vLLM counts those as aborts.
+        for index in range(self.num_samples):
+            if index not in self.finish_reasons:
+                self.finish_reasons[index] = "abort"
+                if self.vllm is not None:
+                    self.vllm.sample_finished("abort")
         if self.vllm is not None:
             self.vllm.request_finished(now - self.started_at, self.prompt_tokens, output_tokens)
         if self.prompt_tokens:

@@ -215,11 +215,18 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(level: str = "INFO") -> None:
+    """Every line on stderr is JSON: Python's warnings go through logging, and gRPC's C
+    core (which writes its own lines, e.g. when the CPU backend forks its compiler) says
+    only errors unless GRPC_VERBOSITY asks for more. Set in the serving process only,
+    before grpc loads."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    logging.captureWarnings(True)
+    if "grpc" not in sys.modules:
+        os.environ.setdefault("GRPC_VERBOSITY", "DEBUG" if level == "DEBUG" else "ERROR")
 
 
 # ------------------------------------------------------------- proto conversion
@@ -342,7 +349,7 @@ class InferenceServicer:
         trace = self.telemetry.start_request(
             request_id=stream.request_id, operation=operation, model=engine.model_name
         )
-        trace.queued(len(prompt_token_ids))
+        trace.queued(len(prompt_token_ids), params.n)
         error: str | None = None
         completion_tokens: dict[int, int] = {}
         try:

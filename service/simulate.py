@@ -123,7 +123,10 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, num_blocks: int) -
 
 
 def plot(results: dict[str, PolicyResult], path: str | Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'pagedinfer[bench]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -71,7 +71,8 @@ def model_config_from_hf(
     used_len = max_model_len or max_pos
     if used_len > max_pos:
         raise ValueError(
-            f"max_model_len={used_len} exceeds the model's max_position_embeddings={max_pos}"
+            f"max_model_len={used_len} exceeds the model's max_position_embeddings={max_pos}: "
+            f"give --max-model-len {max_pos} or less"
         )
     num_layers = int(raw["num_hidden_layers"])
     num_heads = int(raw["num_attention_heads"])

@@ -335,7 +335,7 @@ def start_runs(
                 trace = state.telemetry.start_request(
                     request_id=stream.request_id, operation=operation, model=state.model_name
                 )
-                trace.queued(len(ids))
+                trace.queued(len(ids), params.n)
             runs.append(PromptRun(stream, trace, ids, params.n))
     except ValueError as exc:
         for run in runs:

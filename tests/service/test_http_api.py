@@ -484,8 +484,24 @@ def wait_running(server: Server, timeout: float = 60) -> None:
     server.wait_for_metric("pagedinfer_requests_running", lambda v, m: v >= 1, timeout)
 
 
+def aborts(api: Api) -> float:
+    return vllm_value(api.metrics(), "vllm:request_success_total", model_name=MODEL,
+                      finished_reason="abort")  # fmt: skip
+
+
+def wait_aborts(api: Api, count: float, timeout: float = 30) -> None:
+    """The abort counter reaches `count`: the server counts a request once its stream
+    has been torn down, a moment after the client left."""
+    deadline = time.monotonic() + timeout
+    while aborts(api) < count:
+        assert time.monotonic() < deadline, f"aborts stayed at {aborts(api)}, not {count}"
+        time.sleep(0.05)
+    assert aborts(api) == count
+
+
 @pytest.mark.timeout(180)
 def test_a_stream_cancelled_midway_frees_its_blocks(api, server):
+    before = aborts(api)
     conn = api.connection()
     body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "temperature": 0,
                        "ignore_eos": True, "stream": True})  # fmt: skip
@@ -501,10 +517,12 @@ def test_a_stream_cancelled_midway_frees_its_blocks(api, server):
     conn.sock.shutdown(2)
     conn.close()
     server.wait_all_blocks_free()
+    wait_aborts(api, before + 1)  # counted as vLLM counts a cut request
 
 
 @pytest.mark.timeout(180)
 def test_a_client_gone_before_its_whole_response_frees_its_blocks(api, server):
+    before = aborts(api)
     conn = api.connection()
     body = json.dumps({"model": MODEL, "messages": CHAT, "max_tokens": 400, "temperature": 0,
                        "ignore_eos": True})  # fmt: skip
@@ -513,6 +531,7 @@ def test_a_client_gone_before_its_whole_response_frees_its_blocks(api, server):
     conn.sock.shutdown(2)
     conn.close()
     server.wait_all_blocks_free()
+    wait_aborts(api, before + 1)
 
 
 @pytest.mark.timeout(240)

@@ -181,7 +181,8 @@ def exported_prometheus_names(text: str) -> set[str]:
 
 
 def documented_prometheus_names() -> set[str]:
-    rows = re.findall(r"^\| `[^`]+` \| `([^`]+)` \|", DOC.read_text(), flags=re.MULTILINE)
+    section = DOC.read_text().split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `[^`]+` \| `([^`]+)` \|", section, flags=re.MULTILINE)
     return set(rows)
 
 

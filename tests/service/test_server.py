@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 import os
 import re
@@ -79,6 +80,14 @@ class Server:
             m.group(1): float(m.group(2))
             for m in re.finditer(r"^(pagedinfer_\w+)\{[^}]*\} (\S+)$", text, re.MULTILINE)
         }
+
+    def aborts(self) -> float:
+        """vllm:request_success_total{finished_reason="abort"}, summed over models."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        pattern = r'^vllm:request_success_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)$'
+        return sum(float(v) for v in re.findall(pattern, text, re.MULTILINE))
 
     def wait_for_metric(self, name: str, predicate, timeout: float = 20) -> dict[str, float]:
         deadline = time.monotonic() + timeout
@@ -337,12 +346,18 @@ def test_cancelling_mid_stream_frees_every_block(server):
 @pytest.mark.timeout(120)
 def test_expired_deadline_aborts_the_request(server):
     server.wait_all_blocks_free()
+    before = server.aborts()
     call = server.generate(prompt="Count to a thousand:", timeout=1.5,
                            sampling=greedy(1000, ignore_eos=True))  # fmt: skip
     with pytest.raises(grpc.RpcError) as info:
         collect(call)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     server.wait_all_blocks_free(timeout=10)
+    deadline = time.monotonic() + 30  # counted once the call's handler has ended
+    while server.aborts() < before + 1:
+        assert time.monotonic() < deadline, "the cut request was never counted as an abort"
+        time.sleep(0.05)
+    assert server.aborts() == before + 1
 
 
 @pytest.mark.timeout(120)
@@ -562,6 +577,9 @@ def test_a_server_stopped_while_its_kernels_still_compile_exits_cleanly(
     assert code == 0, log[-4000:]
     assert "still compile in the background" in log
     assert "compiling the kernels in a child process" in log
+    # Every line is JSON, gRPC's own when the backend forks its compiler too.
+    for line in log.splitlines():
+        assert isinstance(json.loads(line), dict), line
 
 
 def wait_for_log(server: Server, pattern: str, timeout: float = 600) -> re.Match:
