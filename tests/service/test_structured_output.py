@@ -166,3 +166,63 @@ def test_a_grammar_that_cannot_finish_ends_with_length(llm):
     assert out.outputs[0].finish_reason == "length"
     assert out.outputs[0].text.startswith('{"name": ')
     assert llm.engine.scheduler.kv_cache.pool.num_free == llm.engine.num_blocks
+
+
+@pytest.fixture(scope="module")
+def speculative() -> LLM:
+    # Passes priced far above their rows: every guess is drafted.
+    return LLM(
+        max_model_len=512,
+        kv_cache_memory=256 * 2**20,
+        max_num_batched_tokens=256,
+        num_speculative_tokens=4,
+        speculative_pass_rows=1000,
+    )
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_speculative_drafts_keep_only_what_the_grammar_allows(llm, speculative, temperature):
+    examples = '{"name": "Ann", "age": 31, "pets": ["cat"]}\n' * 4
+    prompts = [f"People as JSON:\n{examples}", "Digits: 1 2 3 4 5 6 7 8 9 1 2 3 4 5 6 7 8 9"]
+    params = [
+        SamplingParams(
+            max_tokens=40, temperature=temperature, seed=2,
+            structured_output=StructuredOutput.json_schema(PERSON),
+        ),
+        # The prompt's drafts (" 1 2 ...") hold spaces, which this regex forbids.
+        SamplingParams(
+            max_tokens=12, temperature=temperature, seed=2,
+            structured_output=StructuredOutput("regex", "[0-9]{10}"),
+        ),
+    ]  # fmt: skip
+    before = speculative.engine.stats()
+    expected = llm.generate(prompts, params)
+    got = speculative.generate(prompts, params)
+    for a, b in zip(expected, got, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    assert re.fullmatch("[0-9]{10}", got[1].outputs[0].text)
+    after = speculative.engine.stats()
+    proposed = after.draft_tokens - before.draft_tokens
+    kept = after.accepted_draft_tokens - before.accepted_draft_tokens
+    assert proposed > kept > 0
+
+
+def test_preemption_and_prefix_caching_keep_constrained_outputs(llm):
+    # 12 blocks of 16 tokens cannot hold every request at once: the scheduler preempts,
+    # and the recomputed requests go on from the grammar state of their kept tokens.
+    small = LLM(max_model_len=128, num_gpu_blocks=12, max_num_batched_tokens=64)
+    intro = "Here is a careful description of one more person, written as a JSON object. "
+    prompts = [f"{intro * 3}Person number {i}:" for i in range(8)]
+    params = SamplingParams(
+        max_tokens=40,
+        temperature=1.0,
+        seed=4,
+        structured_output=StructuredOutput.json_schema(PERSON),
+    )
+    expected = llm.generate(prompts, params)
+    got = small.generate(prompts, params)
+    assert small.engine.stats().num_preemptions > 0
+    for a, b in zip(expected, got, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    again = small.generate(prompts[:1], params)[0]  # its prompt now from the prefix cache
+    assert again.outputs[0].token_ids == expected[0].outputs[0].token_ids
