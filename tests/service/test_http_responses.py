@@ -153,3 +153,61 @@ def test_bad_requests_name_the_field(api, body, param, words):
     error = reply.json()["error"]
     assert error["param"] == param
     assert words in error["message"]
+
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The current weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+ASK = "What is the weather in Paris? Use the tool."
+
+
+def test_a_function_call_round_trip(api):
+    client = api.client()
+    first = client.responses.create(
+        input=ASK, tools=[WEATHER], tool_choice="required", max_output_tokens=60, temperature=0,
+        reasoning={"effort": "none"},
+    )  # fmt: skip
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    assert set(json.loads(calls[0].arguments)) == {"city"}
+    # The call and its output go back as input items; the model answers in text.
+    second = client.responses.create(
+        input=[{"role": "user", "content": ASK}, calls[0].model_dump(exclude_none=True),
+               {"type": "function_call_output", "call_id": calls[0].call_id,
+                "output": '{"temp_c": 21}'}],
+        tools=[WEATHER], max_output_tokens=20, temperature=0, reasoning={"effort": "none"},
+    )  # fmt: skip
+    assert second.output_text
+    assert second.usage.input_tokens > first.usage.input_tokens
+
+
+def test_a_streamed_function_call(api):
+    events = list(
+        api.client().responses.create(
+            input=ASK,
+            tools=[WEATHER],
+            max_output_tokens=60,
+            temperature=0,
+            stream=True,
+            tool_choice={"type": "function", "name": "get_weather"},
+            reasoning={"effort": "none"},
+        )
+    )
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [item.type for item in added] == ["function_call"]
+    fragments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(fragments) > 1 and "".join(fragments) == done.arguments
+    assert set(json.loads(done.arguments)) == {"city"}
+    final = events[-1].response
+    assert events[-1].type == "response.completed"
+    assert [item.type for item in final.output] == ["function_call"]
+    assert final.output[0].call_id == added[0].call_id
