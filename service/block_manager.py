@@ -197,10 +197,14 @@ class KVCacheManager:
         if not events:
             return []
         self.pool.events = []
-        if self._stored is not None and any(e[0] != "stored" for e in events):
+        if self._stored is not None:
             # A hash evicted and stored again in one step is cached: keep its record.
             cached = self.pool.cached
-            self._stored = {h: info for h, info in self._stored.items() if h in cached}
+            for event in events:
+                if event[0] == "removed" and event[1][0] not in cached:
+                    self._stored.pop(event[1][0], None)
+                elif event[0] == "cleared":
+                    self._stored = {h: info for h, info in self._stored.items() if h in cached}
         return events
 
     def cached_block_events(self) -> list[tuple]:
