@@ -257,7 +257,14 @@ class RequestTelemetry:
                 if self.vllm is not None:
                     self.vllm.sample_finished("abort")
         if self.vllm is not None:
-            self.vllm.request_finished(now - self.started_at, self.prompt_tokens, output_tokens)
+            longest = max((s.completion_tokens for s in self.samples.values()), default=0)
+            self.vllm.request_finished(
+                now - self.started_at,
+                self.prompt_tokens,
+                output_tokens,
+                n=max(len(self.samples), 1),
+                max_sample_tokens=longest,
+            )
         if self.prompt_tokens:
             self.metrics.token_usage.record(
                 self.prompt_tokens, {**self.attributes, "gen_ai.token.type": "input"}

@@ -602,7 +602,11 @@ async def serve(config: EngineConfig, options: ServerOptions) -> int:
             from pagedinfer.service.vllm_metrics import CacheConfig
 
             cache = CacheConfig(
-                served_names[0], engine.block_size, engine.num_blocks, config.enable_prefix_caching
+                served_names[0],
+                engine.block_size,
+                engine.num_blocks,
+                config.enable_prefix_caching,
+                max_model_len=engine.max_model_len,
             )
             servicer.telemetry.vllm.bind(cache)
         servicer.engine = engine

@@ -91,6 +91,20 @@ REQUEST_BUCKETS = (
     7680.0,
 )
 FINISH_REASONS = ("stop", "length", "abort")
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+# Token-count histograms reach max_model_len, as vLLM's do; this when it is not known.
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value: vLLM's token-count buckets."""
+    out, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(out)
+            out.append(mantissa * scale)
+        scale *= 10
 
 
 @dataclass(frozen=True)
@@ -101,6 +115,7 @@ class CacheConfig:
     block_size: int
     num_gpu_blocks: int
     enable_prefix_caching: bool
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN  # the top of the token-count buckets
 
 
 class VllmMetrics:
@@ -112,7 +127,12 @@ class VllmMetrics:
 
     def __init__(self, registry: CollectorRegistry, stats: Callable[[], Any]) -> None:
         self._stats = stats
+        self._registry = registry
         self.config: CacheConfig | None = None
+        # Per-request token histograms, made by `bind`: their buckets reach max_model_len.
+        self.request_prompt_tokens: Histogram | None = None
+        self.request_generation_tokens: Histogram | None = None
+        self.request_max_num_generation_tokens: Histogram | None = None
         label = ["model_name"]
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
@@ -125,6 +145,15 @@ class VllmMetrics:
             "vllm:inter_token_latency_seconds",
             "Time between output tokens in seconds.",
             ITL_BUCKETS,
+        )
+        # vLLM's older name of the same intervals; autoscalers (llm-d's) still read it.
+        self.time_per_output_token = histogram(
+            "vllm:time_per_output_token_seconds",
+            "Time per output token in seconds (the interval between output tokens).",
+            ITL_BUCKETS,
+        )
+        self.request_params_n = histogram(
+            "vllm:request_params_n", "The n request parameter.", PARAMS_N_BUCKETS
         )
         self.e2e_request_latency = histogram(
             "vllm:e2e_request_latency_seconds",
@@ -152,11 +181,40 @@ class VllmMetrics:
 
     def bind(self, config: CacheConfig) -> None:
         """Sets the model's name and cache settings; every series starts at zero."""
+        if self.request_prompt_tokens is None:
+            tokens = buckets_1_2_5(config.max_model_len)
+            label = ["model_name"]
+            self.request_prompt_tokens = Histogram(
+                "vllm:request_prompt_tokens",
+                "Prompt tokens per request.",
+                label,
+                registry=self._registry,
+                buckets=tokens,
+            )
+            self.request_generation_tokens = Histogram(
+                "vllm:request_generation_tokens",
+                "Generated tokens per request (all its samples).",
+                label,
+                registry=self._registry,
+                buckets=tokens,
+            )
+            self.request_max_num_generation_tokens = Histogram(
+                "vllm:request_max_num_generation_tokens",
+                "Generated tokens of a request's longest sample.",
+                label,
+                registry=self._registry,
+                buckets=tokens,
+            )
         self.config = config
         name = config.model_name
         for metric in (
             self.time_to_first_token,
             self.inter_token_latency,
+            self.time_per_output_token,
+            self.request_params_n,
+            self.request_prompt_tokens,
+            self.request_generation_tokens,
+            self.request_max_num_generation_tokens,
             self.e2e_request_latency,
             self.request_queue_time,
             self.prompt_tokens,
@@ -176,9 +234,12 @@ class VllmMetrics:
         """`count` tokens of one sample arrived together, `seconds_since_previous` after
         its previous token: each counts as an interval of the mean."""
         if self.config is not None and count > 0:
-            child = self.inter_token_latency.labels(self.config.model_name)
+            name = self.config.model_name
+            itl = self.inter_token_latency.labels(name)
+            tpot = self.time_per_output_token.labels(name)
             for _ in range(count):
-                child.observe(seconds_since_previous / count)
+                itl.observe(seconds_since_previous / count)
+                tpot.observe(seconds_since_previous / count)
 
     def queued(self, seconds: float) -> None:
         if self.config is not None:
@@ -188,13 +249,27 @@ class VllmMetrics:
         if self.config is not None and finish_reason in FINISH_REASONS:
             self.request_success.labels(self.config.model_name, finish_reason).inc()
 
-    def request_finished(self, seconds: float, prompt_tokens: int, output_tokens: int) -> None:
+    def request_finished(
+        self,
+        seconds: float,
+        prompt_tokens: int,
+        output_tokens: int,
+        n: int = 1,
+        max_sample_tokens: int | None = None,
+    ) -> None:
+        """One request ended: `output_tokens` over its `n` samples, the longest
+        `max_sample_tokens` (default: all of them, one sample)."""
         if self.config is None:
             return
         name = self.config.model_name
         self.e2e_request_latency.labels(name).observe(seconds)
         self.prompt_tokens.labels(name).inc(prompt_tokens)
         self.generation_tokens.labels(name).inc(output_tokens)
+        self.request_prompt_tokens.labels(name).observe(prompt_tokens)
+        self.request_generation_tokens.labels(name).observe(output_tokens)
+        longest = output_tokens if max_sample_tokens is None else max_sample_tokens
+        self.request_max_num_generation_tokens.labels(name).observe(longest)
+        self.request_params_n.labels(name).observe(n)
 
 
 class _EngineCollector:
@@ -254,5 +329,10 @@ class _EngineCollector:
             ),
             counter(
                 "vllm:num_preemptions", "Preemptions of running requests.", stats.num_preemptions
+            ),
+            counter(
+                "pagedinfer_kv_events_dropped",
+                "KV-cache event batches dropped because no one drained the publisher's queue.",
+                getattr(stats, "kv_events_dropped", 0),
             ),
         ]

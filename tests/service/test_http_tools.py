@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 
+import grpc
 import jsonschema
 import openai
 import pytest
@@ -15,13 +16,9 @@ from test_http_api import Api
 from test_server import start_server, stop_server
 
 from pagedinfer.service.openai.protocol import ChatCompletionRequest
-from pagedinfer.service.openai.tools import (
-    HermesParser,
-    Llama3JsonParser,
-    MistralParser,
-    ToolPlan,
-    ToolStream,
-)
+from pagedinfer.service.openai.tools import ToolPlan, ToolStream
+from pagedinfer.service.proto import inference_pb2 as pb
+from pagedinfer.service.tool_parsers import HermesParser, Llama3JsonParser, MistralParser
 
 WEATHER = {
     "type": "function",
@@ -185,6 +182,29 @@ def test_bad_structured_input_is_a_400_naming_the_field(api, fields, param, mess
     error = reply.json()["error"]
     assert error["param"] == param
     assert message in error["message"]
+
+
+@pytest.mark.slow
+def test_grpc_sampling_takes_a_structured_output(api):
+    schema = WEATHER["function"]["parameters"]
+    sampling = pb.SamplingParams(
+        max_tokens=60, temperature=1.0, seed=9,
+        structured_output=pb.StructuredOutput(json_schema=json.dumps(schema)),
+    )  # fmt: skip
+    responses = list(api.server.generate(prompt="Weather query as JSON:", sampling=sampling))
+    assert responses[-1].finish_reason == pb.STOP
+    jsonschema.validate(json.loads("".join(r.text for r in responses)), schema)
+    choice = pb.SamplingParams(
+        max_tokens=5, structured_output=pb.StructuredOutput(choice=pb.Choices(choices=["x", "y"]))
+    )
+    responses = list(api.server.generate(prompt="Pick:", sampling=choice))
+    assert "".join(r.text for r in responses) in {"x", "y"}
+    bad = pb.SamplingParams(structured_output=pb.StructuredOutput(regex="(unclosed"))
+    with pytest.raises(grpc.RpcError) as info:
+        list(api.server.generate(prompt="Pick:", sampling=bad))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "structured_output" in info.value.details()
+    assert "unclosed group" in info.value.details()
 
 
 # ---------------------------------------------------------------- parsers alone

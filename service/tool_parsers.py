@@ -1,0 +1,185 @@
+"""Tool-call parsers: each model family's way of writing tool calls in its text.
+
+`--tool-call-parser` picks one (`TOOL_PARSERS`); without it, `default_parser` picks from
+the chat template. The chat API (`pagedinfer.service.openai.tools`) runs them over a
+choice's text, whole or as it streams.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text of an object
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def as_tool_call(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+# ------------------------------------------------------------------------ parsers
+
+
+class ToolParser:
+    """Finds a model family's tool calls in its text."""
+
+    name = ""
+    start = ""  # the text that opens the calls: what a stream holds back
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        """(content before the calls or None, the calls); no calls: (text, [])."""
+        raise NotImplementedError
+
+    def complete_calls(self, text: str) -> int:
+        """How many calls of a stream's held text are complete (sent before the end)."""
+        return 0
+
+    def calls_start(self, text: str, content_sent: bool) -> int | None:
+        """Where calls may start in a stream's text: the marker, or a tail that may grow
+        into it (None: nothing to hold back)."""
+        at = text.find(self.start)
+        return at if at >= 0 else len(text) - partial_suffix(text, self.start)
+
+    def opened(self, held: str) -> bool:
+        """Whether the held text surely begins the calls (not a partial marker)."""
+        return held.startswith(self.start)
+
+
+class HermesParser(ToolParser):
+    """`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one or more."""
+
+    name = "hermes"
+    start = "<tool_call>"
+    _call = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        head, marker, _ = text.partition(self.start)
+        if not marker:
+            return text, []
+        calls = [c for body in self._call.findall(text) if (c := call_of(body)) is not None]
+        if not calls:
+            return text, []
+        return head.strip() or None, calls
+
+    def complete_calls(self, text: str) -> int:
+        return text.count("</tool_call>")
+
+
+class Llama3JsonParser(ToolParser):
+    """Llama 3.x: the whole answer is `{"name": ..., "parameters": {...}}` (several
+    separated by `;`), optionally after `<|python_tag|>`."""
+
+    name = "llama3_json"
+    start = "{"
+
+    def calls_start(self, text: str, content_sent: bool) -> int | None:
+        # Calls are the whole answer: hold it while it may be one, until the end.
+        head = text.lstrip()
+        return 0 if not content_sent and (not head or head[0] in "{<") else None
+
+    def opened(self, held: str) -> bool:
+        return False  # sent whole at the end
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        if not body.startswith("{"):
+            return text, []
+        calls = []
+        for part in _split_objects(body):
+            call = call_of(part)
+            if call is None:
+                return text, []
+            calls.append(call)
+        return (None, calls) if calls else (text, [])
+
+
+class MistralParser(ToolParser):
+    """Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`."""
+
+    name = "mistral"
+    start = "[TOOL_CALLS]"
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        head, marker, rest = text.partition(self.start)
+        if not marker:
+            return text, []
+        try:
+            items = json.loads(rest.strip())
+        except json.JSONDecodeError:
+            return text, []
+        items = items if isinstance(items, list) else [items]
+        calls = [c for item in items if (c := call_of(item)) is not None]
+        if len(calls) != len(items) or not calls:
+            return text, []
+        return head.strip() or None, calls
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)
+}
+
+
+def default_parser(chat_template: str | None) -> str:
+    """The parser for a model, from its chat template; hermes (the fallback prompt's
+    format) where the template says nothing."""
+    template = chat_template or ""
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|python_tag|>" in template or "ipython" in template:
+        return "llama3_json"
+    return "hermes"
+
+
+def call_of(body: str | dict) -> ParsedCall | None:
+    try:
+        item = json.loads(body) if isinstance(body, str) else body
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+        return None
+    arguments = item.get("arguments", item.get("parameters", {}))
+    if isinstance(arguments, str):  # some models write the arguments as JSON text
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ParsedCall(item["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _split_objects(text: str) -> list[str]:
+    """`{...}; {...}` -> the JSON objects' texts (a decoder pass, not a split on ';')."""
+    decoder = json.JSONDecoder()
+    parts, i = [], 0
+    while i < len(text):
+        while i < len(text) and text[i] in " \n\t;":
+            i += 1
+        if i >= len(text):
+            break
+        try:
+            _, end = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return [text]
+        parts.append(text[i:end])
+        i = end
+    return parts
+
+
+def partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that starts `marker`."""
+    for length in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-length:]):
+            return length
+    return 0
