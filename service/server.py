@@ -31,8 +31,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pagedinfer.service.openai.tools import TOOL_PARSERS
 from pagedinfer.service.reasoning import REASONING_PARSERS, get_reasoning_parser
+from pagedinfer.service.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:  # grpc and the engine are imported in `run`, keeping `--help` fast
     import grpc
@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # grpc and the engine are imported in `run`, keeping `--help`
     from pagedinfer.service.config import EngineConfig
     from pagedinfer.service.metrics import Telemetry
     from pagedinfer.service.sampling_params import SamplingParams
+    from pagedinfer.service.structured_output import StructuredOutput
 
 log = logging.getLogger("pagedinfer.server")
 # The thread that builds the engine (and, with a compile record, its CPU kernels).
@@ -253,10 +254,35 @@ def sampling_params_from_proto(message: Any) -> SamplingParams:
     if message.HasField("skip_special_tokens"):
         kwargs["skip_special_tokens"] = message.skip_special_tokens
     kwargs["include_stop_str_in_output"] = message.include_stop_str_in_output
+    if message.HasField("structured_output"):
+        kwargs["structured_output"] = structured_output_from_proto(message.structured_output)
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:
         raise ValueError(f"sampling.{exc}") from None
+
+
+def structured_output_from_proto(message: Any) -> StructuredOutput:
+    """The StructuredOutput of its proto (compiled when the request is made)."""
+    from pagedinfer.service.structured_output import StructuredOutput
+
+    kind = message.WhichOneof("constraint")
+    field = f"sampling.structured_output.{kind}"
+    if kind is None:
+        raise ValueError("sampling.structured_output must set one of its constraints")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(message.json_schema)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{field} is not valid JSON: {err}") from None
+        return StructuredOutput.json_schema(schema)
+    if kind == "json_object":
+        if not message.json_object:
+            raise ValueError(f"{field} must be true when set")
+        return StructuredOutput.json_object()
+    if kind == "choice":
+        return StructuredOutput.choice(list(message.choice.choices))
+    return StructuredOutput(kind, getattr(message, kind))
 
 
 def prompt_from_proto(message: Any) -> dict[str, Any]:
