@@ -38,14 +38,33 @@ MAX_CHOICES = 1024
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+# Whitespace the grammar lets through between a thinking block and the answer.
+THINKING_GAP = r"/[ \t\r\n]{0,8}/"
+
+
+@dataclass(frozen=True)
+class Thinking:
+    """A thinking block the grammar lets through before the constrained answer, so that
+    a thinking model may think first (`pagedinfer.service.reasoning`): any text up to the
+    first `end` tag, then the answer. open: the prompt opened the block, so the output
+    starts inside it; otherwise the output may start with `start` (or go straight to
+    the answer)."""
+
+    start: str
+    end: str
+    open: bool
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """What a request's output must match. kind "json": `spec` is a JSON schema as JSON
     text; "regex": a regular expression (Rust syntax); "choice": a JSON list of the
-    allowed strings; "grammar": a Lark grammar (llguidance's dialect) or GBNF."""
+    allowed strings; "grammar": a Lark grammar (llguidance's dialect) or GBNF. With
+    `thinking`, it is what the answer after the thinking must match."""
 
     kind: Kind
     spec: str
+    thinking: Thinking | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -184,6 +203,31 @@ class GrammarCompiler:
 
 def to_grammar(output: StructuredOutput) -> str:
     """The llguidance grammar of a spec; GrammarError for a malformed one."""
+    grammar = _answer_grammar(output)
+    return grammar if output.thinking is None else after_thinking(grammar, output.thinking)
+
+
+def after_thinking(grammar: str, thinking: Thinking) -> str:
+    """`grammar` preceded by a thinking block: the block's text is free (a lazy lexeme
+    that ends at the first end tag), a little whitespace, then `grammar`'s answer."""
+    parsed = json.loads(grammar)
+    grammars = parsed["grammars"]
+    answer = grammars[0].get("name") or "answer"
+    grammars[0]["name"] = answer
+    block = f"thinking {THINKING_GAP}"
+    lark = "\n".join(
+        [
+            f"start: {block} @{answer}"
+            if thinking.open
+            else f"start: ({json.dumps(thinking.start)} {block})? @{answer}",
+            f"thinking[lazy]: /(.|\\n)*/ {json.dumps(thinking.end)}",
+        ]
+    )
+    grammars.insert(0, {"name": "thinking_first", "lark_grammar": lark})
+    return json.dumps(parsed)
+
+
+def _answer_grammar(output: StructuredOutput) -> str:
     import llguidance
 
     if len(output.spec) > MAX_SPEC_CHARS:

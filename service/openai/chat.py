@@ -50,6 +50,7 @@ from pagedinfer.service.openai.serving import (
 from pagedinfer.service.openai.structured import constrained
 from pagedinfer.service.openai.tools import ToolPlan, ToolStream, prepare_tools
 from pagedinfer.service.reasoning import PROMPT_TAIL_TOKENS, ReasoningParser, ReasoningStream
+from pagedinfer.service.structured_output import Thinking
 
 log = logging.getLogger("pagedinfer.http")
 
@@ -147,6 +148,17 @@ def start_chat(state: ServingState, request: ChatCompletionRequest) -> ChatJob:
                 "tool_choice",
             )
         params = dataclasses.replace(params, structured_output=tools.output)
+    parser = state.reasoning_parser
+    prompt_tail = ""
+    if parser is not None:
+        prompt_tail = engine.tokenizer.decode(
+            prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False
+        )
+        if params.structured_output is not None:
+            # The grammar constrains the answer; the thinking before it stays free.
+            thinking = Thinking(parser.start, parser.end, parser.thinking_at_start(prompt_tail))
+            output = dataclasses.replace(params.structured_output, thinking=thinking)
+            params = dataclasses.replace(params, structured_output=output)
     state.check_queue(engine, 1)
     runs = start_runs(state, engine, [(prompt, params)], "chat", request.cache_salt)
     return ChatJob(
@@ -156,10 +168,8 @@ def start_chat(state: ServingState, request: ChatCompletionRequest) -> ChatJob:
         request=request,
         runs=runs,
         token_text=TokenText(engine.tokenizer),
-        reasoning=state.reasoning_parser,
-        prompt_tail=engine.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-        if state.reasoning_parser is not None
-        else "",
+        reasoning=parser,
+        prompt_tail=prompt_tail,
         tools=tools,
     )
 

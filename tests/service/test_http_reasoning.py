@@ -172,3 +172,16 @@ def test_logit_bias_and_min_tokens_over_http(api):
     assert short["usage"]["completion_tokens"] == 1
     assert held["usage"]["completion_tokens"] == 4
     assert held["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_json_schema_constrains_the_answer_after_the_thinking(api):
+    schema = {"type": "object", "properties": {"sum": {"type": "integer"}},
+              "required": ["sum"], "additionalProperties": False}  # fmt: skip
+    body = chat(max_tokens=48, response_format={
+        "type": "json_schema", "json_schema": {"name": "sum", "schema": schema}})  # fmt: skip
+    reply = api.post("/v1/chat/completions", body)
+    assert reply.status == 200, reply.body
+    message = reply.json()["choices"][0]["message"]
+    assert message["reasoning_content"]  # the model still thinks first
+    answer = json.loads(message["content"])
+    assert set(answer) == {"sum"} and isinstance(answer["sum"], int)

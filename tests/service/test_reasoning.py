@@ -90,3 +90,29 @@ def test_streamed_pieces_equal_the_whole_split(words, sizes, parser, tail):
 def test_unknown_parser_names_the_choices():
     with pytest.raises(ValueError, match="qwen3, smollm3, deepseek_r1"):
         get_reasoning_parser("o1")
+
+
+@pytest.mark.parametrize("prompt_opens", [True, False])
+def test_a_grammar_after_thinking_leaves_the_thinking_free(default_model_dir, prompt_opens):
+    import llguidance
+
+    from pagedinfer.service.structured_output import GrammarCompiler, StructuredOutput, Thinking
+    from pagedinfer.service.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_dir)
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    answer = StructuredOutput.json_schema({"type": "integer"})
+    output = StructuredOutput("json", answer.spec, Thinking("<think>", "</think>", prompt_opens))
+    compiler.check(output)
+
+    def accepts(text: str) -> bool:
+        matcher = llguidance.LLMatcher(compiler.ll_tokenizer(), compiler._compile_uncached(output))
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return matcher.consume_tokens(ids) and matcher.is_accepting()
+
+    assert accepts("<think>\nany { text\n</think>\n\n42")
+    assert not accepts("<think>a</think>\n\nforty-two")  # the answer stays constrained
+    assert not accepts("<think>a</think>" + "\n" * 12 + "42")  # little whitespace between
+    # Inside an opened block any text thinks; otherwise only the start tag or the answer.
+    assert accepts("so </think>42") == prompt_opens
+    assert accepts("42") == (not prompt_opens)
