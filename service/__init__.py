@@ -6,11 +6,14 @@ torch. Importing it changes no environment variable: the OpenMP settings the CPU
 wants are applied where an engine starts (`pagedinfer.service.openmp`).
 """
 
-from pagedinfer.service.config import EngineConfig
-from pagedinfer.service.outputs import RequestOutput
-from pagedinfer.service.sampling_params import SamplingParams
-
 __all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams"]
+
+# Found as a top-level `service` (by a process started at the repository root), this
+# folder stays an empty module: it never imports pagedinfer, which that process may lack.
+if __name__ == "pagedinfer.service":
+    from pagedinfer.service.config import EngineConfig
+    from pagedinfer.service.outputs import RequestOutput
+    from pagedinfer.service.sampling_params import SamplingParams
 
 
 def __getattr__(name: str):

@@ -50,3 +50,31 @@ def test_pagedinfer_kernels_is_this_folder():
     path, name = done.stdout.split()
     assert Path(path) == ROOT / "kernels" / "__init__.py"
     assert name == "write_kv"
+
+
+@pytest.mark.parametrize("folder", ["kernels", "service"])
+def test_a_process_without_pagedinfer_imports_the_folder_as_an_empty_module(folder):
+    """A peer's process (vLLM's, in its own environment) started in the root: pagedinfer
+    is not importable there, and transformers' probe for a `kernels` package imports
+    whatever it finds under that name."""
+    done = run_in_root(
+        "import sys; sys.modules['pagedinfer'] = None\n"
+        "sys.path[:] = [p for p in sys.path if 'site-packages' not in p]  # nor `kernels`\n"
+        f"import {folder}\n"
+        f"print({folder}.__file__)\n"
+        f"print([n for n in {folder}.__all__ if n in vars({folder})])"
+    )
+    assert done.returncode == 0, done.stderr
+    path, names = done.stdout.splitlines()
+    assert Path(path) == ROOT / folder / "__init__.py" and names == "[]"
+
+
+def test_transformers_finds_no_kernels_package_in_a_root_without_pagedinfer():
+    done = run_in_root(
+        "import sys; sys.modules['pagedinfer'] = None\n"
+        "from transformers.utils import import_utils\n"
+        "print(import_utils.is_kernels_available())"
+    )
+    assert done.returncode == 0, done.stderr
+    if not installed_kernels():  # else the installed package answers for itself
+        assert done.stdout.strip() == "False"
