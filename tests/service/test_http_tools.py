@@ -207,6 +207,18 @@ def test_grpc_sampling_takes_a_structured_output(api):
     assert "unclosed group" in info.value.details()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("mode", "temperature"), [("TOOLS", 1.0), ("JSON_SCHEMA", 0.0)])
+def test_instructor_extracts_validated_objects(client, mode, temperature):
+    instructor = pytest.importorskip("instructor")
+    patched = instructor.from_openai(client, mode=getattr(instructor.Mode, mode))
+    city = patched.chat.completions.create(
+        model="SmolLM2-135M-Instruct", response_model=City, max_retries=0, temperature=temperature,
+        max_tokens=120, messages=[{"role": "user", "content": "Describe Tokyo."}],
+    )  # fmt: skip
+    assert isinstance(city, City) and city.name
+
+
 # ---------------------------------------------------------------- parsers alone
 
 
