@@ -413,18 +413,21 @@ def _build_results(
 def prompt_logprobs(logits: torch.Tensor, token_ids: Sequence[int], k: int) -> list[dict[str, Any]]:
     """The logprob entries of prompt tokens: row i of logits [len(token_ids), vocab] is
     what the model predicted for token_ids[i]. As for sampled tokens, the raw
-    log_softmax, with the k most likely tokens (`{"token_id", "logprob", "top"}`)."""
+    log_softmax, with the token's rank (1 = the likeliest) and the k most likely tokens
+    (`{"token_id", "logprob", "rank", "top"}`)."""
     raw = torch.log_softmax(logits.float(), dim=-1)
     ids = torch.tensor(list(token_ids), dtype=torch.int64, device=raw.device)
-    chosen = raw.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+    picked = raw.gather(1, ids.unsqueeze(1))
+    ranks = ((raw > picked).sum(dim=-1) + 1).tolist()
+    chosen = picked.squeeze(1).tolist()
     top: list[list[tuple[int, float]]] = [[] for _ in chosen]
     if k > 0:
         values, indices = raw.topk(k, dim=-1)
         pairs = zip(indices.tolist(), values.tolist(), strict=True)
         top = [list(zip(i, v, strict=True)) for i, v in pairs]
     return [
-        {"token_id": t, "logprob": lp, "top": entries}
-        for t, lp, entries in zip(token_ids, chosen, top, strict=True)
+        {"token_id": t, "logprob": lp, "rank": rank, "top": entries}
+        for t, lp, rank, entries in zip(token_ids, chosen, ranks, top, strict=True)
     ]
 
 

@@ -40,6 +40,7 @@ from pagedinfer.service.openai.serving import (
     encode,
     merged,
     new_id,
+    prompt_logprobs_body,
     resolve_max_tokens,
     sampling_params,
     sse,
@@ -139,7 +140,11 @@ def start_chat(state: ServingState, request: ChatCompletionRequest) -> ChatJob:
     max_tokens = resolve_max_tokens(engine, len(prompt), requested, None, "messages", field_name)
     check_stop_token_ids(request, engine.vocab_size)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    params = constrained(engine, request, sampling_params(request, max_tokens, logprobs, None))
+    if request.prompt_logprobs is not None and request.stream:
+        raise bad_request("prompt_logprobs is only served without stream", "prompt_logprobs")
+    params = constrained(
+        engine, request, sampling_params(request, max_tokens, logprobs, request.prompt_logprobs)
+    )
     if tools is not None and tools.output is not None:
         if params.structured_output is not None:
             raise bad_request(
@@ -186,6 +191,7 @@ def chat_options(request: ChatCompletionRequest) -> prompts.ChatOptions:
 async def complete(job: ChatJob) -> ChatCompletion:
     """The whole response, once every choice has finished."""
     choices = [_Choice() for _ in range(job.request.n)]
+    prompt_entries: list[dict] = []
     error = None
     try:
         async for _, delta in merged(job.runs):
@@ -194,6 +200,8 @@ async def complete(job: ChatJob) -> ChatCompletion:
             choice = choices[delta.index]
             choice.text += delta.text
             choice.entries.extend(delta.logprobs or ())
+            if delta.prompt_logprobs is not None:
+                prompt_entries = delta.prompt_logprobs
             if delta.finish_reason is not None:
                 choice.finish_reason = delta.finish_reason
     except BaseException as exc:
@@ -216,6 +224,9 @@ async def complete(job: ChatJob) -> ChatCompletion:
             for i, (c, (message, finish_reason)) in enumerate(zip(choices, answers, strict=True))
         ],
         usage=usage(job.runs),
+        prompt_logprobs=None
+        if job.request.prompt_logprobs is None
+        else prompt_logprobs_body(prompt_entries, job.request.prompt_logprobs, job.token_text),
     )
 
 

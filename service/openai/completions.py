@@ -27,6 +27,7 @@ from pagedinfer.service.openai.serving import (
     encode,
     merged,
     new_id,
+    prompt_logprobs_body,
     resolve_max_tokens,
     sampling_params,
     sse,
@@ -91,6 +92,10 @@ def start_completion(state: ServingState, request: CompletionRequest) -> Complet
         requested, hidden = 1, 1
     check_stop_token_ids(request, engine.vocab_size)
     prompt_logprobs = request.logprobs if request.echo else None
+    if request.prompt_logprobs is not None:
+        if request.stream:
+            raise bad_request("prompt_logprobs is only served without stream", "prompt_logprobs")
+        prompt_logprobs = max(prompt_logprobs or 0, request.prompt_logprobs)
     base = constrained(
         engine, request, sampling_params(request, 1, request.logprobs, prompt_logprobs)
     )
@@ -202,9 +207,18 @@ async def complete(job: CompletionJob) -> Completion:
             logprobs = completion_logprobs(job, entries, 0, echoed, prompt_entries.get(i // n))
         if job.request.echo:
             text = prompt.text + text
+        scored = None
+        if job.request.prompt_logprobs is not None:
+            scored = prompt_logprobs_body(
+                prompt_entries.get(i // n, []), job.request.prompt_logprobs, job.token_text
+            )
         out.append(
             CompletionChoice(
-                index=i, text=text, logprobs=logprobs, finish_reason=choice.finish_reason
+                index=i,
+                text=text,
+                logprobs=logprobs,
+                finish_reason=choice.finish_reason,
+                prompt_logprobs=scored,
             )
         )
     return Completion(

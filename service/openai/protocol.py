@@ -60,6 +60,8 @@ class SamplingFields(Strict):
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     min_tokens: int = Field(0, ge=0)
+    # vLLM's: the logprobs of the prompt's tokens, with this many likeliest tokens at each.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Sent by vLLM's clients; fast tokenizers join special tokens as they are.
@@ -316,11 +318,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of a prompt token (or of one of the likeliest tokens there)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: None for the first token (nothing predicts it), then per token
+# its own entry and those of the likeliest tokens, keyed by token id.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Completion(BaseModel):
@@ -372,6 +388,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
     system_fingerprint: str | None = None
 
 

@@ -22,6 +22,8 @@ from pydantic import BaseModel
 from pagedinfer.service.openai.errors import APIError, bad_request
 from pagedinfer.service.openai.protocol import (
     ChatCompletionRequest,
+    PromptLogprob,
+    PromptLogprobs,
     SamplingFields,
     TopLogprob,
     Usage,
@@ -451,6 +453,26 @@ def top_dict(entry: dict, token_text: TokenText) -> dict[str, float]:
         if text not in top or logprob > top[text]:
             top[text] = logprob
     return top
+
+
+def prompt_logprobs_body(entries: list[dict], k: int, token_text: TokenText) -> PromptLogprobs:
+    """vLLM's prompt_logprobs of a prompt: None for its first token, then each token's
+    entry (logprob, rank, text) and its k likeliest, keyed by token id."""
+    out: PromptLogprobs = [None]
+    for entry in entries:
+        token_id = entry["token_id"]
+        tokens = {
+            str(token_id): PromptLogprob(
+                logprob=entry["logprob"], rank=entry.get("rank"), decoded_token=token_text(token_id)
+            )
+        }
+        for rank, (top_id, logprob) in enumerate((entry.get("top") or ())[:k], 1):
+            tokens.setdefault(
+                str(top_id),
+                PromptLogprob(logprob=logprob, rank=rank, decoded_token=token_text(top_id)),
+            )
+        out.append(tokens)
+    return out
 
 
 def chat_top(entry: dict, token_text: TokenText) -> list[TopLogprob]:

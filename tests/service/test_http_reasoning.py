@@ -185,3 +185,23 @@ def test_a_json_schema_constrains_the_answer_after_the_thinking(api):
     assert message["reasoning_content"]  # the model still thinks first
     answer = json.loads(message["content"])
     assert set(answer) == {"sum"} and isinstance(answer["sum"], int)
+
+
+def test_prompt_logprobs_score_every_prompt_token(api):
+    ids = api.post("/tokenize", {"prompt": "The capital of France is Paris"}).json()["tokens"]
+    body = {"prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}
+    choice = api.post("/v1/completions", body).json()["choices"][0]
+    scored = choice["prompt_logprobs"]
+    assert len(scored) == len(ids) and scored[0] is None
+    echoed = api.post("/v1/completions", {**body, "prompt_logprobs": None, "echo": True,
+                                          "logprobs": 2}).json()["choices"][0]["logprobs"]  # fmt: skip
+    echoed_logprobs = echoed["token_logprobs"][1 : len(ids)]
+    for token, entry, logprob in zip(ids[1:], scored[1:], echoed_logprobs, strict=True):
+        own = entry[str(token)]
+        assert own["logprob"] == pytest.approx(logprob, abs=1e-5)
+        assert own["rank"] >= 1 and own["decoded_token"]
+        assert {1, 2} <= {e["rank"] for e in entry.values()}  # the two likeliest
+    reply = api.post("/v1/chat/completions", chat(max_tokens=1, prompt_logprobs=0)).json()
+    assert len(reply["prompt_logprobs"]) == reply["usage"]["prompt_tokens"]
+    refused = api.post("/v1/chat/completions", chat(prompt_logprobs=1, stream=True))
+    assert refused.status == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
