@@ -270,3 +270,18 @@ def test_a_server_start_does_not_import_transformers(default_model_dir: Path) ->
         [sys.executable, "-c", script], capture_output=True, text=True, check=True
     ).stdout
     assert out.split() == ["Tokenizer", "False"]
+
+
+def test_a_continued_final_message_renders_as_transformers_renders_it(
+    checkpoints: list[Path],
+) -> None:
+    chat = [
+        {"role": "user", "content": "Write a haiku."},
+        {"role": "assistant", "content": "  Autumn moonlight - "},
+    ]
+    for path in checkpoints:
+        ours, theirs = load_tokenizer(path), transformers_tokenizer(path)
+        options = {"add_generation_prompt": False, "continue_final_message": True}
+        want = theirs.apply_chat_template(chat, tokenize=False, **options)
+        assert ours.apply_chat_template(chat, tokenize=False, **options) == want
+        assert want.endswith("Autumn moonlight - "), want[-40:]
