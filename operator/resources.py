@@ -7,6 +7,7 @@ and a selector label naming their InferenceService.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -18,6 +19,7 @@ from pagedinfer.operator.spec import (
     GROUP,
     METRICS_PORT,
     InferenceServiceSpec,
+    KVEventsSpec,
     parse_spec,
 )
 
@@ -124,7 +126,31 @@ def server_args(spec: InferenceServiceSpec) -> list[str]:
             args += [flag, str(spec.engine[key])]
     if spec.engine.get("enablePrefixCaching") is False:
         args.append("--no-prefix-caching")
+    events = kv_events(spec)
+    if events is not None:
+        args += ["--kv-events-config", kv_events_config(events, spec.model.name or "")]
     return args + list(spec.engine.get("extraArgs", []))
+
+
+def kv_events(spec: InferenceServiceSpec) -> KVEventsSpec | None:
+    """The KV event settings when events are on, else None."""
+    events = spec.kv_events
+    return events if events is not None and events.enabled else None
+
+
+def kv_events_config(events: KVEventsSpec, model_name: str) -> str:
+    """`--kv-events-config` JSON: a PUB socket bound on every interface, so that the
+    router connects to each pod, and a topic naming the pod and the model, as llm-d's
+    router reads it (the kubelet expands $(POD_IP) from the container's env)."""
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{events.port}",
+        "topic": events.topic or f"kv@$(POD_IP)@{model_name}",
+    }
+    if events.replay_port is not None:
+        config["replay_endpoint"] = f"tcp://*:{events.replay_port}"
+    return json.dumps(config, separators=(",", ":"))
 
 
 def container_resources(spec: InferenceServiceSpec) -> dict[str, Any]:
@@ -214,8 +240,20 @@ def build_deployment(body: Mapping[str, Any], replicas: int, default_image: str)
     }
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
-    if template.get("env"):
-        container["env"] = [dict(e) for e in template["env"]]
+    env = [dict(e) for e in template.get("env") or []]
+    events = kv_events(spec)
+    if events is not None:
+        # Defined first: $(POD_IP) in the args and in later variables expands from it.
+        env.insert(0, {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+        container["ports"].append(
+            {"name": "kv-events", "containerPort": events.port, "protocol": "TCP"}
+        )
+        if events.replay_port is not None:
+            container["ports"].append(
+                {"name": "kv-replay", "containerPort": events.replay_port, "protocol": "TCP"}
+            )
+    if env:
+        container["env"] = env
 
     pod_spec: dict[str, Any] = {
         "containers": [container],

@@ -28,6 +28,10 @@ DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 # The server's port for Prometheus scrapes, on the pods and the Service; not configurable,
 # so that every pod of every InferenceService is scraped the same way.
 METRICS_PORT = 9464
+# vLLM's default port for KV-cache events, which llm-d's router connects to on each pod.
+KV_EVENTS_PORT = 5557
+# The server's own container ports, which the KV event ports must not take.
+SERVER_PORTS = (8000, 50051, METRICS_PORT)
 # Flags of `pagedinfer serve` that the operator sets itself, because the probes, the
 # Service and the termination grace period depend on them (the CRD refuses them in
 # spec.engine.extraArgs, in the same words).
@@ -88,6 +92,16 @@ class LifecycleSpec:
 
 
 @dataclass(frozen=True)
+class KVEventsSpec:
+    """KV-cache events for prefix-aware routers (`pagedinfer serve --kv-events-config`)."""
+
+    enabled: bool = True
+    port: int = KV_EVENTS_PORT  # the pods' PUB socket, bound on every interface
+    replay_port: int | None = None  # the pods' ROUTER socket for replays
+    topic: str | None = None  # None: kv@$(POD_IP)@<model name>, the form llm-d parses
+
+
+@dataclass(frozen=True)
 class InferenceServiceSpec:
     model: ModelSpec = ModelSpec()
     image: str | None = None
@@ -101,6 +115,7 @@ class InferenceServiceSpec:
     service: ServiceSpec = ServiceSpec()
     lifecycle: LifecycleSpec = LifecycleSpec()
     template: Mapping[str, Any] = field(default_factory=dict)
+    kv_events: KVEventsSpec | None = None
 
 
 def _rules(raw: Mapping[str, Any], default: ScalingRules) -> ScalingRules:
@@ -141,6 +156,7 @@ def parse_spec(raw: Mapping[str, Any]) -> InferenceServiceSpec:
     lifecycle = raw.get("lifecycle") or {}
     autoscaling = raw.get("autoscaling")
     replicas = raw.get("replicas")
+    kv_events = raw.get("kvEvents")
     return InferenceServiceSpec(
         model=ModelSpec(
             name=model.get("name"),
@@ -172,6 +188,17 @@ def parse_spec(raw: Mapping[str, Any]) -> InferenceServiceSpec:
             ),
         ),
         template=dict(raw.get("template") or {}),
+        kv_events=None if kv_events is None else parse_kv_events(kv_events),
+    )
+
+
+def parse_kv_events(raw: Mapping[str, Any]) -> KVEventsSpec:
+    replay = raw.get("replayPort")
+    return KVEventsSpec(
+        enabled=bool(raw.get("enabled", True)),
+        port=int(raw.get("port", KV_EVENTS_PORT)),
+        replay_port=None if replay is None else int(replay),
+        topic=raw.get("topic"),
     )
 
 
@@ -205,6 +232,20 @@ def validation_errors(body: Mapping[str, Any]) -> list[str]:
         errors.append("spec.service.httpPort: must differ from the gRPC port")
     if METRICS_PORT in (service.port, service.http_port):
         errors.append(f"spec.service: port and httpPort must not be {METRICS_PORT} (metrics)")
+    kv_events = raw.get("kvEvents")
+    if kv_events is not None:
+        events = parse_kv_events(kv_events)
+        if events.enabled and not (raw.get("model") or {}).get("name"):
+            errors.append(
+                "spec.kvEvents: kvEvents needs model.name, the model name routers key the events by"
+            )
+        if events.replay_port is not None and events.replay_port == events.port:
+            errors.append("spec.kvEvents.replayPort: must differ from port")
+        if {events.port, events.replay_port} & set(SERVER_PORTS):
+            errors.append(
+                "spec.kvEvents.port: port and replayPort must not be 8000, 50051 or 9464 "
+                "(the server's own ports)"
+            )
     engine = raw.get("engine") or {}
     owned = [a for a in engine.get("extraArgs", []) if OPERATOR_FLAGS.match(a)]
     if owned:

@@ -87,7 +87,7 @@ def test_every_cel_rule_compiles() -> None:
 
     env = celpy.Environment()
     rules = all_cel_rules()
-    assert len(rules) == 10
+    assert len(rules) == 13
     for rule in rules:
         env.compile(rule)
 
@@ -274,6 +274,22 @@ INVALID = {
         False,
     ),
     "zero accelerators": ({"accelerator": {"count": 0}}, "spec.accelerator.count", False),
+    "KV events without a model name": ({"kvEvents": {}}, "spec.kvEvents", True),
+    "KV events on the metrics port": (
+        {"model": {"name": "m"}, "kvEvents": {"port": 9464}},
+        "spec.kvEvents.port",
+        True,
+    ),
+    "a KV replay port equal to the events port": (
+        {"model": {"name": "m"}, "kvEvents": {"port": 6000, "replayPort": 6000}},
+        "spec.kvEvents.replayPort",
+        True,
+    ),
+    "a privileged KV events port": (
+        {"model": {"name": "m"}, "kvEvents": {"port": 80}},
+        "spec.kvEvents.port",
+        False,
+    ),
     "an unknown image pull policy": (
         {"imagePullPolicy": "Sometimes"},
         "spec.imagePullPolicy",
