@@ -27,8 +27,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedinfer.service.openai import chat, completions, responses
+from pagedinfer.service.openai import chat, completions, render, responses
 from pagedinfer.service.openai.errors import APIError, from_errors, from_validation_error
+from pagedinfer.service.openai.openapi import install_openapi
 from pagedinfer.service.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -144,6 +145,17 @@ def create_app(state: ServingState, auth_token: str | None = None) -> FastAPI:
             ids = encode(engine, "messages", messages=messages)
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
 
+    # vLLM's render API: the prompt token ids a router keys KV-cache events by.
+    @app.post("/v1/completions/render")
+    async def render_completion(request: Request) -> Response:
+        body = await parse(request, CompletionRequest)
+        return JSONResponse(render.render_completion(state, body))
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat(request: Request) -> Response:
+        body = await parse(request, ChatCompletionRequest)
+        return JSONResponse(render.render_chat(state, body))
+
     @app.post("/detokenize")
     async def detokenize(request: Request) -> DetokenizeResponse:
         body = await parse(request, DetokenizeRequest)
@@ -152,6 +164,13 @@ def create_app(state: ServingState, auth_token: str | None = None) -> FastAPI:
         check_token_ids(body.tokens, engine.vocab_size, "tokens")
         return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
 
+    install_openapi(app, {
+        "/v1/completions": CompletionRequest,
+        "/v1/chat/completions": ChatCompletionRequest,
+        "/v1/responses": responses.ResponsesRequest,
+        "/tokenize": TokenizeRequest,
+        "/detokenize": DetokenizeRequest,
+    })  # fmt: skip
     return app
 
 
