@@ -41,12 +41,18 @@ class ReasoningParser:
     def thinking_at_start(self, prompt_tail: str) -> bool:
         """Whether the output starts inside a thinking block, given the prompt's last
         characters: an open start tag in the prompt means yes, a closed block no."""
+        return self.prompt_state(prompt_tail) == "inside"
+
+    def prompt_state(self, prompt_tail: str) -> str:
+        """ "inside": the output starts inside a thinking block (the prompt opened it, or
+        the family always starts there); "closed": the prompt ends with a closed block, so
+        thinking is off; "outside": the output may open a block itself."""
         opened, closed = prompt_tail.rfind(self.start), prompt_tail.rfind(self.end)
         if opened > closed:
-            return True
+            return "inside"
         if closed >= 0 and not prompt_tail[closed + len(self.end) :].strip():
-            return False  # the template wrote an empty block: thinking is off
-        return self.starts_inside
+            return "closed"  # the template wrote an empty block: thinking is off
+        return "inside" if self.starts_inside else "outside"
 
     def stream(self, prompt_tail: str) -> ReasoningStream:
         """The parser of one output, fed its text piece by piece."""

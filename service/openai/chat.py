@@ -159,9 +159,10 @@ def start_chat(state: ServingState, request: ChatCompletionRequest) -> ChatJob:
         prompt_tail = engine.tokenizer.decode(
             prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False
         )
-        if params.structured_output is not None:
+        where = parser.prompt_state(prompt_tail)
+        if params.structured_output is not None and where != "closed":
             # The grammar constrains the answer; the thinking before it stays free.
-            thinking = Thinking(parser.start, parser.end, parser.thinking_at_start(prompt_tail))
+            thinking = Thinking(parser.start, parser.end, open=where == "inside")
             output = dataclasses.replace(params.structured_output, thinking=thinking)
             params = dataclasses.replace(params, structured_output=output)
     state.check_queue(engine, 1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -29,7 +30,7 @@ from pagedinfer.service.openai.protocol import (
     ChatCompletionRequest,
     Strict,
 )
-from pagedinfer.service.openai.serving import ServingState, new_id
+from pagedinfer.service.openai.serving import ServingState
 
 INPUT_ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -136,7 +137,7 @@ def start_response(state: ServingState, request: ResponsesRequest) -> ResponsesJ
     except APIError as exc:
         raise renamed(exc) from None
     return ResponsesJob(
-        id=new_id("resp"), created=int(time.time()), request=request, chat_job=chat_job
+        id=item_id("resp"), created=int(time.time()), request=request, chat_job=chat_job
     )
 
 
@@ -288,19 +289,24 @@ def _string(item: dict[str, Any], name: str, i: int) -> str:
 # ------------------------------------------------------------------------- output
 
 
+def item_id(prefix: str) -> str:
+    """An id as OpenAI writes them in this API: `resp_...`, `msg_...`, `fc_...`."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
 def message_items(message: Any, finished: bool = True) -> list[dict[str, Any]]:
     """The output items of a chat completion's assistant message."""
     status = "completed" if finished else "incomplete"
     items = []
     reasoning = message.get("reasoning_content")
     if reasoning:
-        items.append(reasoning_item(new_id("rs"), reasoning))
+        items.append(reasoning_item(item_id("rs"), reasoning))
     if message.get("content"):
-        items.append(output_message(new_id("msg"), message["content"], status))
+        items.append(output_message(item_id("msg"), message["content"], status))
     for call in message.get("tool_calls") or ():
         items.append(
             function_call_item(
-                new_id("fc"), call["id"], call["function"]["name"], call["function"]["arguments"]
+                item_id("fc"), call["id"], call["function"]["name"], call["function"]["arguments"]
             )
         )
     return items
@@ -496,7 +502,7 @@ class _EventWriter:
         events = []
         if self.current is None or self.current.kind != kind:
             prefix = "rs" if kind == "reasoning" else "msg"
-            item = _Open(kind, 0, new_id(prefix))
+            item = _Open(kind, 0, item_id(prefix))
             events += self._switch(item)
             item.index = len(self.output)
             if kind == "reasoning":
@@ -529,7 +535,7 @@ class _EventWriter:
         events = []
         item = self.calls.get(index)
         if item is None:
-            item = _Open("function_call", 0, new_id("fc"), call_id=call.get("id") or new_id("call"),
+            item = _Open("function_call", 0, item_id("fc"), call_id=call.get("id") or item_id("call"),
                          name=function.get("name") or "")  # fmt: skip
             self.calls[index] = item
             events += self._switch(item)

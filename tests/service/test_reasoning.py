@@ -116,3 +116,11 @@ def test_a_grammar_after_thinking_leaves_the_thinking_free(default_model_dir, pr
     # Inside an opened block any text thinks; otherwise only the start tag or the answer.
     assert accepts("so </think>42") == prompt_opens
     assert accepts("42") == (not prompt_opens)
+
+
+def test_the_prompt_says_where_the_output_starts():
+    assert QWEN3.prompt_state(USER_TURN) == "outside"
+    assert QWEN3.prompt_state(USER_TURN + "<think>\n") == "inside"
+    assert QWEN3.prompt_state(USER_TURN + "<think>\n\n</think>\n\n") == "closed"
+    assert R1.prompt_state(USER_TURN) == "inside"
+    assert R1.prompt_state(USER_TURN + "<think>\n\n</think>\n\n") == "closed"
