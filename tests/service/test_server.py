@@ -126,8 +126,11 @@ def make_certificate(directory: Path) -> tuple[Path, Path]:
 
 
 def start_server(directory: Path, *extra: str, token: str | None = None,
-                 tls: tuple[Path, Path] | None = None) -> Server:  # fmt: skip
-    port, metrics_port, http_port = free_ports(3)
+                 tls: tuple[Path, Path] | None = None,
+                 ports: tuple[int, int, int] | None = None) -> Server:  # fmt: skip
+    """A server in `directory` on `ports` (gRPC, metrics, HTTP; default: free ones)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    port, metrics_port, http_port = ports or free_ports(3)
     log = directory / "server.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_EXPORTER_OTLP")}
     env.pop("PAGEDINFER_AUTH_TOKEN", None)
