@@ -82,12 +82,73 @@ all namespaces (cluster-wide RBAC).
 {{/*
 The endpoint picker's configuration for pagedinfer pods: the metric names they export
 (vLLM's) for the engine type the operator labels them with, and the scorers that read
-them. The same as in examples/inferencepool.yaml.
+them. The same as in examples/inferencepool.yaml; with
+inferencePool.precisePrefixCache.enabled, prefix-cache scoring on the pods' KV-cache
+events, as in examples/inferencepool-precise-prefix.yaml.
 */}}
 {{- define "pagedinfer.eppConfig" -}}
+{{- $precise := .Values.inferencePool.precisePrefixCache -}}
+{{- $pool := default .Values.example.name .Values.inferencePool.inferenceService -}}
 apiVersion: llm-d.ai/v1alpha1
 kind: EndpointPickerConfig
 plugins:
+{{- if $precise.enabled }}
+  # Token ids from the pods' own tokenizer (vLLM's render endpoints on their Service).
+  - type: token-producer
+    parameters:
+      modelName: {{ $precise.modelName | default .Values.example.spec.model.name | required "inferencePool.precisePrefixCache.modelName (or example.spec.model.name) is required" | quote }}
+      vllm:
+        url: {{ printf "http://%s:%v" $pool ((.Values.example.spec.service | default dict).httpPort | default 8000) | quote }}
+  # Subscribes to tcp://<pod IP>:<port> of every pod of the pool and indexes their blocks.
+  - type: precise-prefix-cache-producer
+    parameters:
+      tokenProcessorConfig:
+        blockSizeTokens: 16
+      kvEventsConfig:
+        topicFilter: "kv@"
+        concurrency: 4
+        discoverPods: true
+        podDiscoveryConfig:
+          socketPort: {{ $precise.port }}
+  - type: prefix-cache-scorer
+    parameters:
+      prefixMatchInfoProducerName: precise-prefix-cache-producer
+  - type: endpoint-notification-source
+  - type: metrics-data-source
+    parameters:
+      scheme: http
+      path: /metrics
+  - type: core-metrics-extractor
+    parameters:
+      # The operator labels the pods llm-d.ai/engine-type=pagedinfer.
+      defaultEngine: pagedinfer
+      engineConfigs:
+        - name: pagedinfer
+          queuedRequestsSpec: vllm:num_requests_waiting
+          runningRequestsSpec: vllm:num_requests_running
+          kvUsageSpec: vllm:kv_cache_usage_perc
+          loraSpec: ""  # pagedinfer serves no LoRA adapters
+          cacheInfoSpec: vllm:cache_config_info
+  - type: queue-scorer
+  - type: kv-cache-utilization-scorer
+dataLayer:
+  sources:
+    - pluginRef: metrics-data-source
+      extractors:
+        - pluginRef: core-metrics-extractor
+    - pluginRef: endpoint-notification-source
+      extractors:
+        - pluginRef: precise-prefix-cache-producer
+schedulingProfiles:
+  - name: default
+    plugins:
+      - pluginRef: prefix-cache-scorer
+        weight: 3
+      - pluginRef: queue-scorer
+        weight: 2
+      - pluginRef: kv-cache-utilization-scorer
+        weight: 2
+{{- else }}
   - type: metrics-data-source
     parameters:
       scheme: http
@@ -120,4 +181,5 @@ schedulingProfiles:
         weight: 2
       - pluginRef: prefix-cache-scorer
         weight: 3
+{{- end }}
 {{- end }}
