@@ -75,6 +75,8 @@ class ToolPlan:
                 items = json.loads(text)
             except json.JSONDecodeError:
                 return text, []  # cut short by max_tokens
+            if not isinstance(items, list):
+                return text, []
             calls = [c for item in items if (c := call_of(item)) is not None]
             return None, calls
         if self.parser is None:

@@ -115,3 +115,15 @@ def test_chat_workload_streams_chat_completions_with_the_templates_token_count(
     assert result["output_tokens"] == 7
     assert result["prompt_tokens"] == summary["workload"]["prompt_tokens"]
     assert summary["offline"]["output_tokens"] == 7
+
+
+def test_structured_runs_are_compared_with_free_ones(tmp_path, default_model_dir):
+    results, _ = serving(
+        tmp_path, "--structured", "--no-offline", "--concurrency", "2",
+        *("--num-requests", str(REQUESTS), "--prompt-mean", "16", "--output-mean", "4"),
+    )  # fmt: skip
+    structured = results["structured"]
+    assert structured["http"]["errors"] == 0
+    assert structured["http"]["output_tokens"] == results["http"]["2"]["output_tokens"]
+    assert structured["constrained_vs_free_output_tokens_per_s"] > 0
+    assert set(structured["compile_ms"]) == {"tokenizer", "schema_first", "schema_cached"}
