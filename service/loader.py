@@ -200,6 +200,13 @@ def load_model(
 
     # The tokenizer loads beside the weights, whose copies release the GIL.
     defer = defer_gemm_weights is not None and defer_gemm_weights(config, path)
+    started = time.monotonic()
+    size = sum(f.stat().st_size for f in weight_files)
+    logger.info(
+        "loading %s: %d layers, %.0f MiB of weights in %d file(s) as %s%s",
+        config.name, config.num_layers, size / 2**20, len(weight_files),
+        str(dtype).removeprefix("torch."), ", the GEMM weights deferred" if defer else "",
+    )  # fmt: skip
     with ThreadPoolExecutor(1, thread_name_prefix="pagedinfer-tokenizer") as pool:
         tokenizer_loading = pool.submit(load_tokenizer, path)
         module, deferred = _load_module(config, weight_files, dtype, device, defer)
@@ -219,6 +226,7 @@ def load_model(
         config.eos_token_ids = _eos_ids(raw, path) or (
             [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         )
+    logger.info("loaded %s in %.1f s", config.name, time.monotonic() - started)
     return LoadedModel(module, config, tokenizer, path, deferred)
 
 
