@@ -222,6 +222,7 @@ class KVEventPublisher:
         self.medium = medium
         self.dropped = 0  # batches dropped because the queue was full
         self.published = 0  # batches sent
+        self.thread_cpu_seconds = 0.0  # the publisher thread's CPU time on batches
         self._queued = 0  # batches accepted by publish
         self._sent = threading.Condition()
         self._clock = clock
@@ -318,6 +319,7 @@ class KVEventPublisher:
                 continue
             if batch is None:
                 return
+            start = time.thread_time()
             batch.events = [to_wire(e, self.block_size, self.medium) for e in batch.events]
             payload = encoder.encode(batch)
             seq_bytes = seq.to_bytes(8, "big")
@@ -327,6 +329,7 @@ class KVEventPublisher:
                 log.exception("KV event batch %d was not sent", seq)
             self._buffer.append((seq, payload))
             seq += 1
+            self.thread_cpu_seconds += time.thread_time() - start
             with self._sent:
                 self.published = seq
                 self._sent.notify_all()
