@@ -171,3 +171,28 @@ def test_the_grpc_sampling_message_carries_the_fields():
 def test_the_engine_refuses_a_bias_outside_the_vocabulary(llm):
     with pytest.raises(ValueError, match="logit_bias holds ids outside the vocabulary"):
         llm.generate(["Hi"], SamplingParams(max_tokens=2, logit_bias={10**6: 1.0}))
+
+
+def test_speculative_drafts_see_the_processed_logits():
+    """With speculative decoding, a draft token a bias bans or min_tokens masks is
+    rejected: the outputs equal those of decoding one token at a time, and drafts are kept."""
+    config = dict(max_model_len=256, kv_cache_memory=32 * 2**20, max_num_batched_tokens=64)
+    plain = LLM(**config)
+    speculative = LLM(**config, num_speculative_tokens=4, speculative_pass_rows=1000)
+    prompt = "red, green, blue, red, green, blue, red, green, blue, red,"
+    tokenizer = plain.tokenizer
+    banned = tokenizer.encode(" green", add_special_tokens=False)[0]
+    eos = tokenizer.eos_token_id
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logit_bias={banned: -100.0}),
+        SamplingParams(max_tokens=12, temperature=0.0, min_tokens=6, logit_bias={eos: 8.0}),
+        SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True,
+                       logit_bias={banned: -100.0}),
+    ]  # fmt: skip
+    expected = plain.generate([prompt] * 3, params)
+    got = speculative.generate([prompt] * 3, params)
+    for a, b in zip(expected, got, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    assert banned not in got[0].outputs[0].token_ids
+    assert eos not in got[1].outputs[0].token_ids[:6]
+    assert speculative.engine.stats().accepted_draft_tokens > 0
