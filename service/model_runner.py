@@ -398,7 +398,9 @@ class ModelRunner:
                 num_rows.append(1 + len(draft))
                 # A grammar masks the logits before the pick: never the argmax alone.
                 params = req.sampling_params
-                only = argmax_only(params) and params.structured_output is None
+                only = (
+                    argmax_only(params, req.num_output_tokens) and params.structured_output is None
+                )
                 greedy.extend([only] * (1 + len(draft)))
             if req.sampling_params.prompt_logprobs is not None:
                 last = min(known_end, req.num_prompt_tokens - 1)

@@ -84,25 +84,26 @@ def has_penalties(params: SamplingParams) -> bool:
     )
 
 
-def has_logits_processors(params: SamplingParams) -> bool:
-    """Whether logit_bias or min_tokens may change this request's logits."""
-    return bool(params.logit_bias) or params.min_tokens > 0
+def has_logits_processors(params: SamplingParams, num_output_tokens: int = 0) -> bool:
+    """Whether logit_bias or min_tokens change the logits of a row that follows this
+    many output tokens (the min_tokens mask only applies until they are out)."""
+    return bool(params.logit_bias) or num_output_tokens < params.min_tokens
 
 
-def argmax_only(params: SamplingParams) -> bool:
-    """Whether a row sampled with these parameters needs only the argmax of its logits."""
+def argmax_only(params: SamplingParams, num_output_tokens: int = 0) -> bool:
+    """Whether a row sampled with these parameters, after this many output tokens, needs
+    only the argmax of its logits."""
     return (
         is_greedy(params)
         and not has_penalties(params)
-        and not has_logits_processors(params)
+        and not has_logits_processors(params, num_output_tokens)
         and params.logprobs is None
     )
 
 
 def _processed(row: SamplingRow) -> bool:
     """Whether logit_bias or the min_tokens mask changes this row's logits."""
-    params = row.params
-    return bool(params.logit_bias) or len(row.output_token_ids) < params.min_tokens
+    return has_logits_processors(row.params, len(row.output_token_ids))
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -155,7 +156,11 @@ class Sampler:
         params = [row.params for row in rows]
         picked = None if tokens is None else tokens >= 0
         given = [] if picked is None else picked.tolist()
-        if not all(argmax_only(p) for p, g in zip(params, given, strict=False) if g):
+        if not all(
+            argmax_only(row.params, len(row.output_token_ids))
+            for row, g in zip(rows, given, strict=False)
+            if g
+        ):
             raise ValueError("tokens: a row that needs its logits was given a token")
         if given and all(given):
             token_ids = tokens

@@ -25,10 +25,13 @@ def logits_with_argmax(token: int, rows: int = 1) -> torch.Tensor:
     return logits
 
 
-def test_processed_requests_never_take_the_argmax_only_path():
+def test_processed_rows_never_take_the_argmax_only_path():
     assert argmax_only(SamplingParams(temperature=0.0))
     assert not argmax_only(SamplingParams(temperature=0.0, logit_bias={3: 1.0}))
     assert not argmax_only(SamplingParams(temperature=0.0, min_tokens=2))
+    # Once min_tokens are out, nothing is masked: the logits-free pick serves again.
+    assert not argmax_only(SamplingParams(temperature=0.0, min_tokens=2), 1)
+    assert argmax_only(SamplingParams(temperature=0.0, min_tokens=2), 2)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
