@@ -124,6 +124,10 @@ class ServerOptions:
         names = args.served_model_name
         if names is not None and not all(name.strip() for name in names):
             raise ValueError("--served-model-name must not be empty")
+        for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+            if path is not None and not os.access(path, os.R_OK):
+                raise ValueError(f"{flag} {path}: no such file, or not readable")
+        _check_host(args.host)
         return cls(
             host=args.host,
             port=args.port,
@@ -138,6 +142,17 @@ class ServerOptions:
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
         )
+
+
+def _check_host(host: str) -> None:
+    """ValueError unless `host` resolves to an address (not that it is this machine's:
+    binding says so, naming the port's flag)."""
+    import socket
+
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(f"--host {host}: not an address ({exc})") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -37,6 +37,9 @@ def cgroup_cpu_limit(root: Path = CGROUP_ROOT) -> float | None:
     return quota / period if quota > 0 and period > 0 else None
 
 
+MAX_THREADS_PER_CPU = 4  # beyond this many threads a CPU, --num-threads is a mistake
+
+
 def configure_cpu_threads(num_threads: int | None, cgroup_root: Path = CGROUP_ROOT) -> int:
     """Set torch's intra-op threads for a CPU engine and return how many it uses.
 
@@ -44,6 +47,14 @@ def configure_cpu_threads(num_threads: int | None, cgroup_root: Path = CGROUP_RO
     torch sees, capped at the CFS quota (rounded down, at least 1).
     """
     if num_threads is not None:
+        cpus = os.cpu_count() or 1
+        # Past the CPUs threads only wait for each other at every barrier; far past them
+        # the process cannot even start them.
+        if num_threads > MAX_THREADS_PER_CPU * cpus:
+            raise ValueError(
+                f"--num-threads {num_threads} is far more than the {cpus} CPUs of this "
+                f"machine; give at most {cpus}, or leave it out to use them all"
+            )
         torch.set_num_threads(num_threads)
         reason = "--num-threads"
     elif os.environ.get("OMP_NUM_THREADS"):

@@ -44,6 +44,9 @@ MISTAKES = [
     (["--kv-cache-memory", "1000000GiB"], "--kv-cache-memory 1000000.00 GiB is more than"),
     (["--tls-cert", "cert.pem"], "--tls-cert and --tls-key must be given together"),
     (["--grace-period", "-1"], "--grace-period must be >= 0"),
+    (["--tls-cert", "cert.pem", "--tls-key", "key.pem"], "--tls-cert cert.pem: no such file"),
+    (["--host", "999.1.1.1"], "--host 999.1.1.1: not an address"),
+    (["--num-threads", "100000"], "--num-threads 100000 is far more than"),
 ]
 if not torch.cuda.is_available():
     MISTAKES.append((["--device", "cuda"], "--device cuda: torch is built without CUDA"))

@@ -13,7 +13,12 @@ import torch
 
 from pagedinfer.service.config import EngineConfig
 from pagedinfer.service.openmp import OPENMP_SPIN_COUNT, spin_env
-from pagedinfer.service.threads import cgroup_cpu_limit, configure_cpu_threads, openmp_spin
+from pagedinfer.service.threads import (
+    MAX_THREADS_PER_CPU,
+    cgroup_cpu_limit,
+    configure_cpu_threads,
+    openmp_spin,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -155,3 +160,11 @@ def test_the_spin_reported_is_the_setting_libgomp_reads(monkeypatch: pytest.Monk
     assert openmp_spin() == "PASSIVE"
     monkeypatch.setenv("GOMP_SPINCOUNT", "30000")  # libgomp takes the count over the policy
     assert openmp_spin() == "30000"
+
+
+def test_threads_far_past_the_cpus_are_refused_naming_the_flag() -> None:
+    before = torch.get_num_threads()
+    too_many = MAX_THREADS_PER_CPU * (os.cpu_count() or 1) + 1
+    with pytest.raises(ValueError, match=f"--num-threads {too_many} is far more than"):
+        configure_cpu_threads(too_many)
+    assert torch.get_num_threads() == before
