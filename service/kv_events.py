@@ -302,7 +302,8 @@ class KVEventPublisher:
         self._close_sockets()
 
     def _close_sockets(self) -> None:
-        self._pub.close(linger=0)
+        # A moment for the last batches to leave; a subscriber that is gone costs no more.
+        self._pub.close(linger=500)
         if self._replay is not None:
             self._replay.close(linger=0)
 
