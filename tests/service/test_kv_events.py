@@ -317,7 +317,7 @@ def test_a_full_queue_drops_counted_then_resends_the_whole_cache(tiny_model, mon
     to_wire = kv_events.to_wire
 
     def stalled(raw, block_size, medium):
-        release.wait(30)
+        release.wait(600)  # released below, once the queue has overflowed
         return to_wire(raw, block_size, medium)
 
     monkeypatch.setattr(kv_events, "to_wire", stalled)
