@@ -41,10 +41,6 @@ class ToolParser:
         """(content before the calls or None, the calls); no calls: (text, [])."""
         raise NotImplementedError
 
-    def complete_calls(self, text: str) -> int:
-        """How many calls of a stream's held text are complete (sent before the end)."""
-        return 0
-
     def calls_start(self, text: str, content_sent: bool) -> int | None:
         """Where calls may start in a stream's text: the marker, or a tail that may grow
         into it (None: nothing to hold back)."""
@@ -71,9 +67,6 @@ class HermesParser(ToolParser):
         if not calls:
             return text, []
         return head.strip() or None, calls
-
-    def complete_calls(self, text: str) -> int:
-        return text.count("</tool_call>")
 
 
 class Llama3JsonParser(ToolParser):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,7 @@ from pagedinfer.service.openai.protocol import ChatCompletionRequest, NamedToolC
 from pagedinfer.service.structured_output import GrammarError, StructuredOutput
 from pagedinfer.service.tool_parsers import (
     TOOL_PARSERS,
+    HermesParser,
     ParsedCall,
     ToolParser,
     call_of,
@@ -215,10 +217,18 @@ def _loaded(call: dict[str, Any]) -> Any:
 # ---------------------------------------------------------------------- streaming
 
 
+# A Hermes call whose name comes first and whose arguments are an object: streamed as it
+# is written. Any other order waits for the call's end.
+_HERMES_HEAD = re.compile(
+    r'<tool_call>\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)'
+)
+_HERMES_END = "</tool_call>"
+
+
 class ToolStream:
     """One choice's stream: content as it comes until calls may start, then each call's
-    deltas once its text is complete (the rest at the end). A named call streams its
-    arguments as they are written."""
+    deltas. A Hermes call (the default parser's) and a named call stream their arguments
+    as they are written; other formats send a call once its text is complete."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
@@ -226,6 +236,15 @@ class ToolStream:
         self.sent_calls = 0
         self.in_content = plan.mode == "auto"
         self.content_sent = False
+        # The Hermes call being streamed: where its arguments start in `held`, how far
+        # they were scanned and sent, and the scanner's state (brace depth, in a string,
+        # after a backslash); `args_end` once the arguments' object closed.
+        self.args_at: int | None = None
+        self.scanned = 0
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.args_end: int | None = None
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """(content to send now, tool call deltas to send now) for new text."""
@@ -245,52 +264,108 @@ class ToolStream:
             if not parser.opened(self.held):
                 return content, []
             self.in_content = False
-        deltas: list[dict[str, Any]] = []
-        if parser is not None and parser.complete_calls(self.held) > self.sent_calls:
-            _, calls = parser.parse(self.held)
-            deltas = self._send(calls[: parser.complete_calls(self.held)])
-        return content, deltas
+        if parser is not None and parser.name == "hermes":
+            return content, self._hermes()
+        return content, []
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """What is left at the end: content, or the remaining calls."""
         if self.plan.mode in ("none", "named"):
             return "", []
+        if self.args_at is not None:  # a streamed call without its end: sent as written
+            self.held = ""
         content, calls = self.plan.parse(self.held)
         if not calls:
+            if self.sent_calls:
+                return "", []
             return (self.held if self.plan.mode == "auto" else (content or "")), []
         return "", self._send(calls)
 
-    def _named(self, text: str) -> list[dict[str, Any]]:
+    def _hermes(self) -> list[dict[str, Any]]:
+        """The deltas the held Hermes text allows now: each call's head once its name is
+        written, its arguments as they come, and whole calls written in another order."""
         deltas: list[dict[str, Any]] = []
-        if self.sent_calls == 0:
-            call = ParsedCall(self.plan.named or "", "")
-            deltas.append(
-                {
-                    "index": 0,
-                    "id": call.id,
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": ""},
-                }
-            )
-            self.sent_calls = 1
+        while True:
+            if self.args_at is None:
+                head = _HERMES_HEAD.match(self.held)
+                if head is None:
+                    end = self.held.find(_HERMES_END)
+                    if end < 0:
+                        return deltas
+                    _, calls = HermesParser().parse(self.held[: end + len(_HERMES_END)])
+                    deltas += self._send(calls)
+                    self.held = self.held[end + len(_HERMES_END) :].lstrip()
+                    continue
+                name = json.loads(head.group(1))
+                deltas += self._head(name)
+                self.args_at = self.scanned = head.end()
+                self.depth, self.in_string, self.escaped, self.args_end = 0, False, False, None
+            if self.args_end is None:
+                start = self.scanned
+                self._scan()
+                if self.scanned > start:
+                    fragment = self.held[start : self.scanned]
+                    deltas.append(
+                        {"index": self.sent_calls - 1, "function": {"arguments": fragment}}
+                    )
+                if self.args_end is None:
+                    return deltas
+            end = self.held.find(_HERMES_END, self.args_end)
+            if end < 0:
+                return deltas
+            self.held = self.held[end + len(_HERMES_END) :].lstrip()
+            self.args_at = self.args_end = None
+
+    def _scan(self) -> None:
+        """Advance over the arguments' characters up to the end of their object."""
+        text = self.held
+        i = self.scanned
+        while i < len(text):
+            c = text[i]
+            i += 1
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.args_end = i
+                    break
+        self.scanned = i
+
+    def _named(self, text: str) -> list[dict[str, Any]]:
+        deltas = self._head(self.plan.named or "") if self.sent_calls == 0 else []
         if text:
             deltas.append({"index": 0, "function": {"arguments": text}})
         return deltas
 
+    def _head(self, name: str) -> list[dict[str, Any]]:
+        """A new call's first delta: its index, id, type and name."""
+        call = ParsedCall(name, "")
+        self.sent_calls += 1
+        return [
+            {
+                "index": self.sent_calls - 1,
+                "id": call.id,
+                "type": "function",
+                "function": {"name": name, "arguments": ""},
+            }
+        ]
+
     def _send(self, calls: Sequence[ParsedCall]) -> list[dict[str, Any]]:
+        """Whole calls not sent before: each one's head, then its arguments."""
         deltas = []
-        for index in range(self.sent_calls, len(calls)):
-            call = calls[index]
-            deltas.append(
-                {
-                    "index": index,
-                    "id": call.id,
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": ""},
-                }
-            )
-            deltas.append({"index": index, "function": {"arguments": call.arguments}})
-        self.sent_calls = max(self.sent_calls, len(calls))
+        for call in calls:
+            deltas += self._head(call.name)
+            deltas.append({"index": self.sent_calls - 1, "function": {"arguments": call.arguments}})
         return deltas
 
 

@@ -238,16 +238,33 @@ def test_llama3_and_mistral_parsers():
     assert content == "Sure" and [c.name for c in calls] == ["f"]
 
 
-def test_tool_stream_holds_back_a_forming_marker_and_sends_each_call_once():
+def test_tool_stream_holds_back_a_forming_marker_and_streams_the_arguments():
     stream = ToolStream(ToolPlan("auto", [], parser=HermesParser()))
-    pieces = ["Sure. <tool", '_call>\n{"name": "f", ', '"arguments": {"a": 1}}\n</tool_call>', "\n"]
+    pieces = ["Sure. <tool", '_call>\n{"name": "f", ', '"arguments": {"a": ', '"}"}}\n</tool',
+              "_call>\n<tool_call>\n", '{"arguments": {}, "name": "g"}\n</tool_call>']  # fmt: skip
     sent = [stream.feed(p) for p in pieces]
     assert sent[0] == ("Sure. ", [])  # "<tool" may begin a call: held back
-    assert sent[1] == ("", [])
-    head, args = sent[2][1]
-    assert head["function"] == {"name": "f", "arguments": ""} and head["index"] == 0
-    assert args == {"index": 0, "function": {"arguments": '{"a": 1}'}}
+    assert sent[1] == ("", [])  # the name, but not yet the arguments
+    head, first = sent[2][1]
+    assert head["index"] == 0 and head["id"].startswith("call_")
+    assert head["function"] == {"name": "f", "arguments": ""}
+    assert first == {"index": 0, "function": {"arguments": '{"a": '}}
+    # A brace inside a string does not end the arguments; the wrapper's does not belong.
+    assert sent[3] == ("", [{"index": 0, "function": {"arguments": '"}"}'}}])
+    assert sent[4] == ("", [])
+    # Arguments written before the name: the call is sent once complete.
+    (head, arguments) = sent[5][1]
+    assert head["index"] == 1 and head["function"]["name"] == "g"
+    assert arguments == {"index": 1, "function": {"arguments": "{}"}}
     assert stream.finish() == ("", [])  # nothing sent twice
+
+
+def test_tool_stream_sends_other_formats_at_the_end():
+    stream = ToolStream(ToolPlan("auto", [], parser=MistralParser()))
+    assert stream.feed("[TOOL_CA") == ("", [])
+    assert stream.feed('LLS][{"name": "f", "arguments": {"k": 1}}]') == ("", [])
+    (head, arguments) = stream.finish()[1]
+    assert head["function"]["name"] == "f" and arguments["function"]["arguments"] == '{"k": 1}'
 
 
 def test_request_accepts_tool_history():
