@@ -17,7 +17,9 @@ template.
   arguments object itself for a named function.
 
 Streaming sends each call as OpenAI does: a first delta with its index, id, type and
-name (arguments ""), then its arguments. A call is sent once its text is complete.
+name (arguments ""), then its arguments in fragments. Hermes calls (name first) and named
+calls stream their arguments as the model writes them; "required" calls and the other
+formats are sent once their text is complete.
 """
 
 from __future__ import annotations
