@@ -301,10 +301,18 @@ async def stream(job: ChatJob) -> AsyncIterator[bytes]:
                 None,
             ):
                 continue  # held back for now: a stop string or a tag may be forming
+            # One tool-call delta per chunk, after any text, as OpenAI streams them.
+            parts = [new]
+            if new.tool_calls and len(new.tool_calls) + bool(new.content or new.reasoning) > 1:
+                calls, new.tool_calls = new.tool_calls, None
+                parts = [new] if new.content or new.reasoning else []
+                parts += [ChatDelta(tool_calls=[call]) for call in calls]
+            for part in parts[:-1]:
+                yield chunk(ChatChunkChoice(index=delta.index, delta=part))
             yield chunk(
                 ChatChunkChoice(
                     index=delta.index,
-                    delta=new,
+                    delta=parts[-1],
                     logprobs=job.logprobs(entries) if entries else None,
                     finish_reason=finish_reason,
                 )

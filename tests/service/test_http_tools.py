@@ -121,6 +121,7 @@ def test_named_tool_call_streams_as_openai_does(client):
     deltas, finish = [], None
     for chunk in stream:
         for choice in chunk.choices:
+            assert len(choice.delta.tool_calls or []) <= 1  # one call delta per chunk
             deltas.extend(choice.delta.tool_calls or [])
             finish = choice.finish_reason or finish
     assert finish == "tool_calls"
