@@ -7,6 +7,7 @@ choice's text, whole or as it streams.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -118,8 +119,75 @@ class MistralParser(ToolParser):
         return head.strip() or None, calls
 
 
+class Phi4MiniJsonParser(ToolParser):
+    """Phi-4-mini: `<|tool_call|>[{"name": ..., "arguments": {...}}]<|/tool_call|>`; the
+    markers are special tokens, so the text may hold the JSON list alone."""
+
+    name = "phi4_mini_json"
+    start = "<|tool_call|>"
+
+    def calls_start(self, text: str, content_sent: bool) -> int | None:
+        head = text.lstrip()
+        return 0 if not content_sent and (not head or head[0] in "[<") else None
+
+    def opened(self, held: str) -> bool:
+        return False  # sent whole at the end
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        body = text.replace(self.start, "").replace("<|/tool_call|>", "").strip()
+        if not body.startswith("["):
+            return text, []
+        try:
+            items = json.loads(body)
+        except json.JSONDecodeError:
+            return text, []
+        calls = [c for item in items if (c := call_of(item)) is not None]
+        if not calls or len(calls) != len(items):
+            return text, []
+        return None, calls
+
+
+class PythonicParser(ToolParser):
+    """Gemma 3 and Llama 4 style: a Python list of calls with keyword arguments,
+    `[get_weather(city="Paris"), get_time(zone="CET")]`, optionally in a ```tool_code
+    block. Arguments must be literals."""
+
+    name = "pythonic"
+    start = "["
+
+    def calls_start(self, text: str, content_sent: bool) -> int | None:
+        head = text.lstrip()
+        return 0 if not content_sent and (not head or head[0] in "[`") else None
+
+    def opened(self, held: str) -> bool:
+        return False  # sent whole at the end
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        body = text.strip().removeprefix("```tool_code").removeprefix("```").strip()
+        body = body.removesuffix("```").strip()
+        try:
+            tree = ast.parse(body, mode="eval")
+        except SyntaxError:
+            return text, []
+        if not isinstance(tree.body, ast.List) or not tree.body.elts:
+            return text, []
+        calls = []
+        for node in tree.body.elts:
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or node.args:
+                return text, []
+            try:
+                arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+            except (ValueError, TypeError, SyntaxError, RecursionError):
+                return text, []
+            if None in arguments:  # **kwargs
+                return text, []
+            calls.append(ParsedCall(node.func.id, json.dumps(arguments, ensure_ascii=False)))
+        return None, calls
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)
+    p.name: p
+    for p in (HermesParser, Llama3JsonParser, MistralParser, Phi4MiniJsonParser, PythonicParser)
 }
 
 
@@ -129,6 +197,8 @@ def default_parser(chat_template: str | None) -> str:
     template = chat_template or ""
     if "[TOOL_CALLS]" in template:
         return "mistral"
+    if "<|tool_call|>" in template:
+        return "phi4_mini_json"
     if "<|python_tag|>" in template or "ipython" in template:
         return "llama3_json"
     return "hermes"

@@ -18,7 +18,14 @@ from test_server import start_server, stop_server
 from pagedinfer.service.openai.protocol import ChatCompletionRequest
 from pagedinfer.service.openai.tools import ToolPlan, ToolStream
 from pagedinfer.service.proto import inference_pb2 as pb
-from pagedinfer.service.tool_parsers import HermesParser, Llama3JsonParser, MistralParser
+from pagedinfer.service.tool_parsers import (
+    HermesParser,
+    Llama3JsonParser,
+    MistralParser,
+    Phi4MiniJsonParser,
+    PythonicParser,
+    default_parser,
+)
 
 WEATHER = {
     "type": "function",
@@ -237,6 +244,27 @@ def test_llama3_and_mistral_parsers():
     assert Llama3JsonParser().parse("Hello {there}") == ("Hello {there}", [])
     content, calls = MistralParser().parse('Sure[TOOL_CALLS][{"name": "f", "arguments": {"k": 2}}]')
     assert content == "Sure" and [c.name for c in calls] == ["f"]
+
+
+def test_phi4_mini_and_pythonic_parsers():
+    text = '<|tool_call|>[{"name": "f", "arguments": {"a": [1, 2]}}]<|/tool_call|>'
+    for shown in (text, text.replace("<|tool_call|>", "").replace("<|/tool_call|>", "")):
+        _, calls = Phi4MiniJsonParser().parse(shown)  # the markers may be skipped specials
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": [1, 2]})]
+    _, calls = PythonicParser().parse('```tool_code\n[get_weather(city="Paris"), now()]\n```')
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("now", {}),
+    ]
+    for not_calls in ("[1, 2]", "[f(x)]", "[f(a=open('x'))]", "Hello [world]"):
+        assert PythonicParser().parse(not_calls) == (not_calls, [])
+
+
+def test_default_parser_follows_the_chat_template():
+    assert default_parser(None) == "hermes"
+    assert default_parser("{{ '[TOOL_CALLS]' }}") == "mistral"
+    assert default_parser("<|tool_call|>{{ tools }}") == "phi4_mini_json"
+    assert default_parser("{% if message.role == 'ipython' %}") == "llama3_json"
 
 
 def test_tool_stream_holds_back_a_forming_marker_and_streams_the_arguments():
