@@ -1,4 +1,5 @@
-"""Tool calling on /v1/chat/completions: tools to the model, its calls back as tool_calls.
+"""Tool calling on /v1/chat/completions (docs/architecture.md section 8): tools to the
+model, its calls back as tool_calls.
 
 Tools reach the model through its chat template (`tools`), or, where the template has
 no place for them, through `FALLBACK_PROMPT` in the system message, which asks for
