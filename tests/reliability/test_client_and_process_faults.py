@@ -93,21 +93,27 @@ def doomed_server(tmp_path: Path) -> Iterator[Server]:
 
 
 def test_a_server_killed_under_load_restarts_and_serves_from_its_caches(
-    doomed_server: Server, tmp_path: Path
+    doomed_server: Server, roomy_server: Server, tmp_path: Path
 ) -> None:
-    """SIGKILL leaves no chance to clean up: the restarted server must not depend on
-    anything the killed one would have closed (its ports, a lock on the converted model,
-    the kernel cache it was reading), and serves again at once."""
+    """SIGKILL leaves no chance to clean up: the other replica's requests must not
+    notice, and the restarted server must not depend on anything the killed one would
+    have closed (its ports, a lock on the converted model, the kernel cache it was
+    reading), and serves again at once. (The operator's side, a pod whose metrics port
+    stopped answering, is `test_operator_metrics_faults.py`'s.)"""
     calls = [doomed_server.generate(prompt=f"Count to fifty, {i}:", timeout=120,
                                     sampling=greedy(200, ignore_eos=True)) for i in range(4)]  # fmt: skip
-    for call in calls:
-        next(call)  # all four are running
+    survivors = [roomy_server.generate(prompt=f"Count to twenty, {i}:", timeout=300,
+                                       sampling=greedy(40, ignore_eos=True)) for i in range(4)]  # fmt: skip
+    for call in calls + survivors:
+        next(call)  # all eight are running, four on each replica
     os.kill(doomed_server.process.pid, signal.SIGKILL)
     assert doomed_server.process.wait(30) == -signal.SIGKILL
     for call in calls:
         with pytest.raises(grpc.RpcError) as info:  # the connection is gone mid-stream
             collect(call)
         assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
+    for call in survivors:  # the other replica's requests end in full
+        assert collect(call)[-1].finish_reason == pb.LENGTH
 
     started = time.monotonic()
     # The same ports: a killed server leaves no listener behind.
