@@ -81,7 +81,9 @@ def resolve_device(config: EngineConfig) -> torch.device:
     device = torch.device(config.device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            why = "torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+            why = (
+                "torch is built without CUDA" if torch.version.cuda is None else "no GPU is visible"
+            )
             raise ValueError(f"--device {config.device}: {why}; use --device cpu or auto")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(
