@@ -117,12 +117,12 @@ class _Choice:
     finish_reason: str | None = None
 
 
-def start_chat(state: ServingState, request: ChatCompletionRequest) -> ChatJob:
-    """Checks a chat request and queues it; APIError if it is refused."""
+def chat_prompt(
+    state: ServingState, request: ChatCompletionRequest
+) -> tuple[ToolPlan | None, list[int]]:
+    """The request's tool plan and prompt token ids: its messages and tools through the
+    chat template with its options; APIError naming the field the template refuses."""
     engine = state.ready_engine()
-    state.check_model(request.model)
-    if request.top_logprobs is not None and not request.logprobs:
-        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     options = chat_options(request)
     tools, messages, options = prepare_tools(
         request, chat_messages(request), options, engine, state.tool_call_parser
@@ -132,7 +132,16 @@ def start_chat(state: ServingState, request: ChatCompletionRequest) -> ChatJob:
     except ValueError as exc:
         message = str(exc)
         raise bad_request(message, message.split(":", 1)[0]) from None
-    prompt = encode(engine, "messages", messages=messages, chat_options=options)
+    return tools, encode(engine, "messages", messages=messages, chat_options=options)
+
+
+def start_chat(state: ServingState, request: ChatCompletionRequest) -> ChatJob:
+    """Checks a chat request and queues it; APIError if it is refused."""
+    engine = state.ready_engine()
+    state.check_model(request.model)
+    if request.top_logprobs is not None and not request.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    tools, prompt = chat_prompt(state, request)
     requested = request.max_completion_tokens
     field_name = "max_completion_tokens"
     if requested is None:
