@@ -83,6 +83,7 @@ SUPPORTED_FEATURES = frozenset(
         "rope_scaling_yarn",
         "grouped_query_attention",
         "qkv_bias",
+        "qk_norm",
         "o_proj_bias",
         "mlp_bias",
         "tied_embeddings",
@@ -119,6 +120,8 @@ class _Layer:
     """One decoder layer as the executor runs it."""
 
     norms: tuple[torch.Tensor, torch.Tensor]  # input and post-attention RMSNorm weights
+    # [2, head_dim]: the query and key heads' RMSNorm weights (Qwen3's); None: no q/k norms.
+    qk_norm: torch.Tensor | None
     qkv: Gemm
     o: Gemm
     gate_up: Gemm
@@ -188,7 +191,7 @@ class CpuExecutor:
         make = {"mkl": MklGemm.of, "onednn": OneDnnGemm.of, "dense": DenseGemm.of}[self.mode]
         for layer in model.layers:
             gemms = [make(lin.weight, lin.bias) for lin in layer.linears()]
-            self.layers.append(_Layer(_norms(layer), *gemms))
+            self.layers.append(_Layer(_norms(layer), _qk_norm(layer), *gemms))
         self.lm_head = make(model.lm_head_weight(), None)
 
     def _grids(self) -> tuple[list[list[Any]], Any] | None:
@@ -221,6 +224,8 @@ class CpuExecutor:
         norms = torch.stack([torch.stack(_norms(layer)) for layer in model.layers])
         qkv_biases = [layer.linears()[0].bias for layer in model.layers]
         biased = qkv_biases[0] is not None
+        qk_norms = [_qk_norm(layer) for layer in model.layers]
+        qk_normed = qk_norms[0] is not None
         self.fused = fused_step.FusedWeights.stack(
             layer_grids,
             lm_head,
@@ -231,6 +236,7 @@ class CpuExecutor:
             self.config.rms_norm_eps,
             argmax,
             torch.stack(qkv_biases).detach().float().numpy() if biased else None,
+            torch.stack(qk_norms).float().numpy() if qk_normed else None,
         )
         if self.fused is None:
             raise ValueError(
@@ -243,7 +249,7 @@ class CpuExecutor:
                 view = self.fused.layer_grid(position, i)
                 bias = qkv_biases[i].detach().float() if biased and position == 0 else None
                 gemms.append(GridGemm(view, orders[position], bias))
-            self.layers.append(_Layer(_norms(layer), *gemms))
+            self.layers.append(_Layer(_norms(layer), qk_norms[i], *gemms))
         self.lm_head = GridGemm(lm_head, orders[4])
         self.argmax = argmax
         if self.bf16_products and amx_bf16():
@@ -622,9 +628,21 @@ class CpuExecutor:
                 key = qkv[:, q_size : q_size + kv_size].view(num_tokens, nkv, d)
                 value = qkv[:, q_size + kv_size :].view(num_tokens, nkv, d)
                 check_write_kv(key, value, k_cache, v_cache, attn.slot_mapping, False)
-            layer_ops.rope_write_kv(qkv, rope, attn.slot_mapping, k_cache, v_cache, nh)
+            layer_ops.rope_write_kv(
+                qkv,
+                rope,
+                attn.slot_mapping,
+                k_cache,
+                v_cache,
+                nh,
+                layer.qk_norm,
+                config.rms_norm_eps,
+            )
         else:
             qk = qkv[:, : q_size + kv_size].view(num_tokens, nh + nkv, d)
+            if layer.qk_norm is not None:  # each q and k head, before the rotation
+                qk[:, :nh] = self._norm(qk[:, :nh], layer.qk_norm[0])
+                qk[:, nh:] = self._norm(qk[:, nh:], layer.qk_norm[1])
             self.model.rotary.rotate(qk, rope)
             value = qkv[:, q_size + kv_size :].view(num_tokens, nkv, d)
             kernels.write_kv(
@@ -746,7 +764,11 @@ def library_layers(layers: list[_Layer]) -> list[_Layer]:
     """The layers with each bf16 GEMM on the matmul library (`LibraryBf16Gemm`),
     over the same arrays: no weight is copied until a call unpacks it."""
     return [
-        _Layer(layer.norms, *(LibraryBf16Gemm(g.weight, g.bias) for g in layer.gemms()))
+        _Layer(
+            layer.norms,
+            layer.qk_norm,
+            *(LibraryBf16Gemm(g.weight, g.bias) for g in layer.gemms()),
+        )
         for layer in layers
     ]
 
@@ -775,6 +797,14 @@ def decode_plan(attn: AttentionMetadata, block_size: int) -> torch_ops.Attention
 
 def _norms(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     return (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach())
+
+
+def _qk_norm(layer: nn.Module) -> torch.Tensor | None:
+    """The layer's query and key head norm weights stacked [2, head_dim], or None."""
+    attn = layer.self_attn
+    if attn.q_norm is None or attn.k_norm is None:
+        return None
+    return torch.stack((attn.q_norm.weight.detach(), attn.k_norm.weight.detach()))
 
 
 POSITIONS = ("qkv", "o", "gate_up", "down", "lm_head")

@@ -10,9 +10,9 @@ runs as one call on the worker threads:
   weight in place of 32), each worker a share of the output tiles;
 - attention runs the same compiled kernels as a step through Python (`paged_decode`,
   `paged_verify`), each worker a share of the sequences;
-- the small ops (`layer_ops`'s RMSNorm, rotary and K/V write) work row by row, each
-  worker on a share of the rows; the gate/up GEMM applies the SiLU to its own outputs
-  (`grid_gemm`, silu), so the product is never written and read back;
+- the small ops (`layer_ops`'s RMSNorm, q/k head norms, rotary and K/V write) work row
+  by row, each worker on a share of the rows; the gate/up GEMM applies the SiLU to its
+  own outputs (`grid_gemm`, silu), so the product is never written and read back;
 - between phases the workers wait at a spinning barrier (microseconds), not for Python.
 
 Every operation is the one the executor's step layer by layer does, in the same order,
@@ -108,6 +108,9 @@ class FusedWeights:
     # fp32 [layers, q/k/v outputs]: the q/k/v biases (Qwen2's), added to the product
     # before the rotation; [layers, 0] for a model without them.
     qkv_bias: np.ndarray
+    # fp32 [layers, 2, head_dim]: the query and key heads' RMSNorm weights (Qwen3's), applied
+    # before the rotation; [layers, 0, 0] for a model without them.
+    qk_norm: np.ndarray
     # The LM head as `greedy_argmax` picks greedy rows' tokens from it; None: every row's
     # logits are computed.
     argmax: greedy_argmax.ArgmaxWeights | None = None
@@ -124,11 +127,13 @@ class FusedWeights:
         eps: float,
         argmax: greedy_argmax.ArgmaxWeights | None = None,
         qkv_bias: np.ndarray | None = None,
+        qk_norm: np.ndarray | None = None,
     ) -> FusedWeights | None:
         """From each layer's four grids (q/k/v, o, gate/up, down) and the order each GEMM
-        sums in (the four and the LM head), and each layer's q/k/v bias where the model has
-        them ([layers, q/k/v outputs]); None where one GEMM's grids differ in shape across
-        layers, or come in more than two kinds (with their arrays' types)."""
+        sums in (the four and the LM head), each layer's q/k/v bias where the model has
+        them ([layers, q/k/v outputs]) and its q and k norms' weights where it has those
+        ([layers, 2, head_dim]); None where one GEMM's grids differ in shape across layers,
+        or come in more than two kinds (with their arrays' types)."""
         kinds, codes, scales, seconds, second_codes, second_scales = [], [], [], [], [], []
         layer_slots = np.zeros((4, len(layers)), np.int64)
         for p, position in enumerate(zip(*layers, strict=True)):
@@ -161,6 +166,10 @@ class FusedWeights:
             qkv_bias = np.zeros((len(layers), 0), np.float32)
         elif qkv_bias.shape != (len(layers), layers[0][0].out_features):
             return None
+        if qk_norm is None:
+            qk_norm = np.zeros((len(layers), 0, 0), np.float32)
+        elif qk_norm.ndim != 3 or qk_norm.shape[:2] != (len(layers), 2):
+            return None
         return cls(
             norms=np.ascontiguousarray(norms, dtype=np.float32),
             final_norm=np.ascontiguousarray(final_norm, dtype=np.float32),
@@ -176,6 +185,7 @@ class FusedWeights:
             second_scales=tuple(second_scales),
             layer_slots=layer_slots,
             qkv_bias=np.ascontiguousarray(qkv_bias, dtype=np.float32),
+            qk_norm=np.ascontiguousarray(qk_norm, dtype=np.float32),
         )
 
     def layer_grid(self, position: int, layer: int) -> grid_gemm.GridWeight:
@@ -201,6 +211,7 @@ class FusedWeights:
             self.norms,
             self.final_norm,
             self.qkv_bias,
+            self.qk_norm,
         )
         return sum(a.nbytes for a in arrays)
 
@@ -346,6 +357,7 @@ def _new_setup(
             *weights.second_scales,
             weights.layer_slots,
             weights.qkv_bias,
+            weights.qk_norm,
         ),
         scratch_args=(
             np.empty((tokens, shape.hidden), np.float32),  # normed
@@ -614,6 +626,7 @@ def _kernel(
         down_scales2: np.ndarray,
         layer_slots: np.ndarray,
         qkv_bias: np.ndarray,
+        qk_norm: np.ndarray,
         k_caches: Any,
         v_caches: Any,
         d_rows: np.ndarray,
@@ -704,6 +717,8 @@ def _kernel(
                 v_cache.reshape(cache_rows, slots_per_layer),
                 nh,
                 nkv,
+                qk_norm[layer],
+                eps,
             )
             if bad >= 0 and sync[1] == 0:
                 sync[1] = lo + bad + 1  # a bad token (the workers' own first ones race)

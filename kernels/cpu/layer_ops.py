@@ -5,7 +5,8 @@ the K/V cache write and SiLU-and-multiply: about 30 torch ops on a few KB each a
 batch sizes, where each op costs mostly its dispatch. These kernels do the same work in
 three calls:
 - `rms_norm`: one pass per row, fp32 sums;
-- `rope_write_kv`: rotates q and k in place inside the q/k/v GEMM's output and copies
+- `rope_write_kv`: RMS-norms each q and k head where the model has q/k norms (Qwen3),
+  rotates q and k in place inside the q/k/v GEMM's output and copies
   each token's k and v rows into its cache slot (slot -1: padding, skipped), rounded to
   bf16 where the cache is bf16;
 - `silu_mul`: SiLU of the gate half times the up half.
@@ -71,8 +72,12 @@ def rope_write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     num_heads: int,
+    qk_norm: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> None:
-    """Rotate q and k in place and store k and v at their cache slots.
+    """RMS-norm each q and k head where qk_norm is given (fp32 [2, head_dim]: the query
+    and key norms' weights, with eps), rotate q and k in place and store k and v at their
+    cache slots.
 
     qkv: contiguous [tokens, (num_heads + 2 * num_kv_heads) * head_dim], the q/k/v
     GEMM's output (q heads, then k heads, then v heads). cos_sin: [tokens, 2, head_dim /
@@ -94,12 +99,19 @@ def rope_write_kv(
         cache_array(v_cache).reshape(shape),
         num_heads,
         num_kv_heads,
+        _NO_QK_NORM if qk_norm is None else qk_norm.detach().float().contiguous().numpy(),
+        np.float32(eps),
     )
     if bad >= 0:
         raise ValueError(
             f"slot_mapping: slot {int(slot_mapping[bad])} of token {bad} is outside the "
             f"cache's {shape[0]} slots"
         )
+
+
+# The q/k norm weights of a model without them: the same array type as a model's, so one
+# compiled kernel serves both.
+_NO_QK_NORM = np.zeros((0, 0), np.float32)
 
 
 def _rows(x: torch.Tensor) -> np.ndarray:
@@ -110,46 +122,61 @@ def _rows(x: torch.Tensor) -> np.ndarray:
 
 @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
 def rms_norm_rows(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.ndarray) -> None:
-    """out = x / sqrt(mean(x^2) + eps) * weight, per row of x [tokens, hidden].
+    """out = x / sqrt(mean(x^2) + eps) * weight, per row of x [tokens, hidden]
+    (`rms_norm_row`)."""
+    acc = stack_array((LANES,))
+    rest = stack_array((3, LANES))
+    prefetch_all(x)  # written by every worker's GEMM tiles in the fused step
+    for t in range(x.shape[0]):
+        rms_norm_row(x[t], weight, eps, out[t], acc, rest)
+
+
+@jit(fastmath=FASTMATH, inline="always", error_model="numpy")
+def rms_norm_row(
+    row: np.ndarray,
+    weight: np.ndarray,
+    eps: np.float32,
+    out_row: np.ndarray,
+    acc: np.ndarray,
+    rest: np.ndarray,
+) -> None:
+    """out_row = row / sqrt(mean(row^2) + eps) * weight: a hidden state, or one query or
+    key head (Qwen3's q/k norms); out_row may be row. acc: fp32 scratch [LANES]; rest:
+    [3, LANES].
 
     Every step is an exact lane op in a fixed order: the squares summed in 16 lanes by
     fused multiply-adds, then across the lanes by halving, then scaled. Left to fast math,
     LLVM summed and scaled a row in one order here and in another where the fused step
     inlines this kernel (on AVX2), and the two paths' outputs came an ulp apart."""
-    hidden = x.shape[1]
-    whole = hidden - hidden % LANES  # the rest of a row goes in lanes of its own
-    acc = stack_array((LANES,))
-    rest = stack_array((3, LANES))  # the rest of a row, then of its weight and output
-    prefetch_all(x)  # written by every worker's GEMM tiles in the fused step
-    for t in range(x.shape[0]):
-        row, out_row = x[t], out[t]
-        lanes_copy(acc, np.float32(0.0), LANES)
-        for c in range(0, whole, LANES):
-            lanes_fma(acc, row[c : c + LANES], row[c : c + LANES], LANES)
-        if whole < hidden:
-            lanes_copy(rest[0], np.float32(0.0), LANES)
-            lanes_copy(rest[1], np.float32(0.0), LANES)
-            for i in range(hidden - whole):
-                rest[0, i] = row[whole + i]
-                rest[1, i] = weight[whole + i]
-            lanes_fma(acc, rest[0], rest[0], LANES)
-        # 1 / sqrt(sum / hidden + eps), each operation rounded once, in lane 0.
-        lanes_copy(acc, lanes_sum(acc, LANES), LANES)
-        lanes_div(acc, acc, np.float32(hidden), LANES)
-        lanes_add(acc, eps, LANES)
-        lanes_copy(acc, np.sqrt(acc[0]), LANES)
-        scale = acc[0]
-        lanes_copy(acc, np.float32(1.0), LANES)
-        lanes_div(acc, acc, scale, LANES)
-        scale = acc[0]
-        for c in range(0, whole, LANES):
-            lanes_mul(out_row[c : c + LANES], row[c : c + LANES], scale, LANES)
-            lanes_mul(out_row[c : c + LANES], out_row[c : c + LANES], weight[c : c + LANES], LANES)
-        if whole < hidden:
-            lanes_mul(rest[2], rest[0], scale, LANES)
-            lanes_mul(rest[2], rest[2], rest[1], LANES)
-            for i in range(hidden - whole):
-                out_row[whole + i] = rest[2, i]
+    n = row.shape[0]
+    whole = n - n % LANES  # the rest of a row goes in lanes of its own
+    lanes_copy(acc, np.float32(0.0), LANES)
+    for c in range(0, whole, LANES):
+        lanes_fma(acc, row[c : c + LANES], row[c : c + LANES], LANES)
+    if whole < n:
+        lanes_copy(rest[0], np.float32(0.0), LANES)
+        lanes_copy(rest[1], np.float32(0.0), LANES)
+        for i in range(n - whole):
+            rest[0, i] = row[whole + i]
+            rest[1, i] = weight[whole + i]
+        lanes_fma(acc, rest[0], rest[0], LANES)
+    # 1 / sqrt(sum / n + eps), each operation rounded once, in lane 0.
+    lanes_copy(acc, lanes_sum(acc, LANES), LANES)
+    lanes_div(acc, acc, np.float32(n), LANES)
+    lanes_add(acc, eps, LANES)
+    lanes_copy(acc, np.sqrt(acc[0]), LANES)
+    scale = acc[0]
+    lanes_copy(acc, np.float32(1.0), LANES)
+    lanes_div(acc, acc, scale, LANES)
+    scale = acc[0]
+    for c in range(0, whole, LANES):
+        lanes_mul(out_row[c : c + LANES], row[c : c + LANES], scale, LANES)
+        lanes_mul(out_row[c : c + LANES], out_row[c : c + LANES], weight[c : c + LANES], LANES)
+    if whole < n:
+        lanes_mul(rest[2], rest[0], scale, LANES)
+        lanes_mul(rest[2], rest[2], rest[1], LANES)
+        for i in range(n - whole):
+            out_row[whole + i] = rest[2, i]
 
 
 @jit(fastmath=FASTMATH, inline="always", error_model="numpy")
@@ -210,17 +237,29 @@ def rope_write_kv_rows(
     v_rows: np.ndarray,
     num_heads: int,
     num_kv_heads: int,
+    qk_norm: np.ndarray,
+    eps: np.float32,
 ) -> int:
-    """Returns the first token whose slot is past the cache's end, or -1 (all written)."""
+    """qk_norm: fp32 [2, head_dim], the query and key heads' RMSNorm weights (Qwen3's),
+    applied before the rotation; [0, 0] for a model without them. Returns the first token
+    whose slot is past the cache's end, or -1 (all written)."""
     half = cos_sin.shape[2]
     head_dim = 2 * half
     k_start = num_heads * head_dim
     v_start = k_start + num_kv_heads * head_dim
     width = num_kv_heads * head_dim
+    normed = qk_norm.shape[0] > 0
+    acc = stack_array((LANES,))
+    rest = stack_array((3, LANES))
     prefetch_all(qkv)  # written by every worker's GEMM tiles in the fused step
     for t in range(qkv.shape[0]):
+        row = qkv[t]
         for h in range(num_heads + num_kv_heads):
             first = h * head_dim
+            if normed:
+                head = row[first : first + head_dim]
+                weight = qk_norm[0] if h < num_heads else qk_norm[1]
+                rms_norm_row(head, weight, eps, head, acc, rest)
             for j in range(half):
                 cos, sin = cos_sin[t, 0, j], cos_sin[t, 1, j]
                 x1, x2 = qkv[t, first + j], qkv[t, first + half + j]

@@ -97,6 +97,35 @@ def test_rope_write_kv_does_what_rotary_and_write_kv_do(
     assert written.nonzero().flatten().tolist() == [0, 3, 17, 31]
 
 
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 2, 40), (8, 1, 128)])
+def test_rope_write_kv_norms_each_q_and_k_head_before_rotating(
+    num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    """Qwen3's q/k norms: each query head RMS-normed with the q weight and each key head
+    with the k weight (a head_dim of 40 has a rest past its 16-lane chunks), then rotated
+    and written; v is left as it is."""
+    qkv, cos_sin, k_cache, v_cache = make_rope_batch(3, num_heads, num_kv_heads, head_dim, 1)
+    qkv[1] *= 50.0  # the norm, not the scale of the product, sets what is rotated
+    gen = torch.Generator().manual_seed(2)
+    weights = torch.rand(2, head_dim, generator=gen) + 0.5
+    slots = torch.tensor([5, 0, 9])
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    expected = qkv.clone()
+    q = expected[:, :q_size].view(3, num_heads, head_dim)
+    k = expected[:, q_size : q_size + kv_size].view(3, num_kv_heads, head_dim)
+    q.copy_(reference_rms_norm(q, weights[0], 1e-6))
+    k.copy_(reference_rms_norm(k, weights[1], 1e-6))
+    apply_rotary(expected[:, : q_size + kv_size].view(3, -1, head_dim), cos_sin)
+
+    layer_ops.rope_write_kv(qkv, cos_sin, slots, k_cache, v_cache, num_heads, weights, 1e-6)
+    torch.testing.assert_close(qkv, expected, rtol=1e-5, atol=1e-5)
+    rows = k_cache.shape[0] * k_cache.shape[1]
+    torch.testing.assert_close(
+        k_cache.view(rows, -1)[slots], expected[:, q_size : q_size + kv_size]
+    )
+    assert torch.equal(v_cache.view(rows, -1)[slots], expected[:, q_size + kv_size :])
+
+
 def test_rope_write_kv_rounds_into_a_bf16_cache_as_torch_does() -> None:
     qkv, cos_sin, k_cache, v_cache = make_rope_batch(5, 9, 3, 64, seed=2)
     # v (not rotated) of token 0: two ties, inf and -0; k of token 1: a NaN.

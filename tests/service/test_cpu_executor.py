@@ -136,6 +136,32 @@ def test_each_feature_is_served_as_the_torch_forward_serves_it_or_left_to_it(
     torch.testing.assert_close(logits_of(executor, config), expected, rtol=1e-4, atol=1e-4)
 
 
+def compiled_signatures() -> int:
+    """How many kernel signatures numba has compiled (or loaded) in this process."""
+    import gc
+
+    import numba
+
+    dispatchers = [o for o in gc.get_objects() if isinstance(o, numba.core.dispatcher.Dispatcher)]
+    return sum(len(d.overloads) for d in dispatchers)
+
+
+def test_q_k_norms_are_data_of_the_kernels_a_llama_of_their_shapes_runs() -> None:
+    """Qwen3's q/k head norms are arrays the compiled step and layer ops read (empty for a
+    Llama), not a kernel variant: serving a Qwen3 after a Llama of the same shapes
+    compiles no new kernel signature."""
+    llama = cpu.prepare(random_model(ModelConfig(**BASE)), BLOCK_SIZE)
+    if llama is None or not llama.compiled:
+        pytest.skip("no compiled kernels on this machine")
+    before = compiled_signatures()
+    config = ModelConfig(**{**BASE, **FEATURE_CASES["qk_norm"]})
+    qwen3 = cpu.prepare(random_model(config), BLOCK_SIZE)
+    assert qwen3 is not None and qwen3.active and qwen3.fused is not None
+    assert qwen3.fused.qk_norm.shape == (BASE["num_layers"], 2, BASE["head_dim"])
+    assert llama.fused.qk_norm.shape == (BASE["num_layers"], 0, 0)
+    assert compiled_signatures() == before
+
+
 def test_a_feature_the_executor_lacks_leaves_the_model_to_its_torch_forward(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -28,6 +28,7 @@ from pagedinfer.kernels.cpu.executor import (
 )
 from pagedinfer.kernels.cpu.gemms import LibraryBf16Gemm
 from pagedinfer.service.models.llama import LlamaModel, ModelConfig
+from pagedinfer.service.models.qwen3 import Qwen3Model
 
 pytestmark = pytest.mark.skipif(
     not torch_ops.compiled_kernels(), reason="the fused step runs on the compiled kernels"
@@ -53,13 +54,14 @@ def on_grid(
 
 
 def grid_model(
-    seed: int = 0, attention_bias: bool = False, o_proj_bias: bool = False
+    seed: int = 0, attention_bias: bool = False, o_proj_bias: bool = False, qk_norm: bool = False
 ) -> LlamaModel:
     """A small Llama whose GEMM weights lie on 4-bit grids and whose (tied) embeddings on
     an 8-bit one, as a GGUF file's Q4_1 and Q8_0 weights load; with q/k/v biases (as
-    Qwen2's) and an o_proj bias where asked, each drawn at random."""
+    Qwen2's), an o_proj bias and q/k head norms (a Qwen3 of these shapes) where asked,
+    each drawn at random."""
     config = ModelConfig(
-        architecture="llama",
+        architecture="qwen3" if qk_norm else "llama",
         vocab_size=512,
         hidden_size=256,
         num_layers=3,
@@ -73,10 +75,11 @@ def grid_model(
         tie_word_embeddings=True,
         attention_bias=attention_bias,
         o_proj_bias=o_proj_bias,
+        qk_norm=qk_norm,
         max_position_embeddings=1024,  # room for a step past the grid's 512 rows
     )
     rng = np.random.default_rng(seed)
-    model = LlamaModel(config).eval()
+    model = (Qwen3Model if qk_norm else LlamaModel)(config).eval()
     with torch.no_grad():
         for layer in model.layers:
             for linear in layer.linears():
@@ -84,6 +87,9 @@ def grid_model(
                 linear.weight.copy_(on_grid(out_features, in_features, rng, 4))
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
                 norm.weight.copy_(torch.from_numpy(rng.random(256).astype(np.float32) + 0.5))
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                if norm is not None:
+                    norm.weight.copy_(torch.from_numpy(rng.random(64).astype(np.float32) + 0.5))
         model.embed_tokens.weight.copy_(on_grid(512, 256, rng, 8))
         for linear in (lin for layer in model.layers for lin in layer.linears()):
             if linear.bias is not None:
@@ -541,6 +547,33 @@ def test_q_k_v_biases_are_added_in_the_fused_step() -> None:
     assert (run(base.copy(), without, chunks, fused=True) - fused).abs().max() > 1e-2
 
 
+def test_q_and_k_heads_are_normed_in_the_fused_step() -> None:
+    """Grid weights with q/k head norms (Qwen3's): the fused step norms each layer's query
+    and key heads before their rotation, from the norms' weights as data of the one
+    compiled step, and gives the layered logits and K/V bit for bit; both are the model's
+    own torch forward within rounding, and a model without the norms differs."""
+    normed = grid_model(seed=1, qk_norm=True)
+    assert find_grids(normed) is not None
+    reference = copy.deepcopy(normed)
+    executor = grid_executor(normed)
+    stacked = torch.stack(
+        [
+            torch.stack((la.self_attn.q_norm.weight, la.self_attn.k_norm.weight))
+            for la in normed.layers
+        ]
+    )
+    assert np.array_equal(executor.fused.qk_norm, stacked.detach().numpy())
+    base = prefilled(executor, [20, 33])
+    chunks = [(0, [5], 20), (1, [1, 2, 3, 4, 5], 33)]
+    assert_fused_matches_layered(executor, base, chunks)
+    fused = run(base.copy(), executor, chunks, fused=True)
+    theirs = torch.cat(base.copy().step(reference, chunks))
+    torch.testing.assert_close(fused, theirs, rtol=1e-4, atol=1e-4)
+    without = grid_executor(grid_model(seed=1))
+    assert without.fused.qk_norm.shape == (3, 0, 0)
+    assert (run(base.copy(), without, chunks, fused=True) - fused).abs().max() > 1e-2
+
+
 def test_an_o_proj_bias_gets_no_fused_step() -> None:
     """An o_proj bias (Llama's attention_bias covers it): the fused step adds none, so the
     library's packed GEMMs serve (where torch has MKL) with the compiled ops between them."""
@@ -608,6 +641,7 @@ def test_a_step_keeps_its_setup_for_the_next_step_of_its_shape_and_no_other() ->
         second_scales=(empty,) * 4,
         layer_slots=np.zeros((4, 3), np.int64),
         qkv_bias=np.zeros((3, 0), np.float32),
+        qk_norm=np.zeros((3, 0, 0), np.float32),
     )
     scratch = fused_step.StepScratch()
     shape = fused_step.StepShape(256, 4, 2, 64, 512, 512, BLOCK_SIZE)

@@ -371,6 +371,7 @@ def test_batch_is_checked_once_by_the_first_layer(
         ),
         ("mistral", {}),
         ("qwen2", {}),
+        ("qwen3", {}),  # q/k norms, head_dim 32 past hidden_size / num_heads
     ],
     ids=[
         "llama",
@@ -380,6 +381,7 @@ def test_batch_is_checked_once_by_the_first_layer(
         "yarn-rope",
         "mistral",
         "qwen2",
+        "qwen3",
     ],
 )
 def test_tiny_models_match_transformers(

@@ -6,6 +6,7 @@ caching. Every config feature we do not implement is refused with an error namin
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 import torch
 from paged_cache import PagedCache
 
-from pagedinfer.kernels import cpu
+from pagedinfer.kernels import cpu, torch_ops
 from pagedinfer.service import LLM, SamplingParams
 from pagedinfer.service.loader import load_model, model_config_from_hf
 
@@ -147,26 +148,29 @@ def test_logits_match_transformers_across_chunks_and_decodes(
     path, hf = tiny
     loaded = load_model(str(path), "cpu", torch.float32, max_model_len=case.max_model_len)
     assert case.features <= loaded.config.features()
-    # The CPU executor claims none of these features: the model's own forward serves.
-    assert cpu.prepare(loaded.model, 16) is None
+    # The CPU executor serves a case whose every feature it implements (Qwen3's q/k norms);
+    # the others are left to the model's own forward. Both must give transformers' logits.
+    executor = cpu.prepare(copy.deepcopy(loaded.model), 16)
+    if not cpu.supports(loaded.config):
+        assert executor is None
+    elif torch_ops.compiled_kernels():
+        assert executor is not None and executor.active and executor.fused is not None
     prompts = prompts_of(case)[:3]
-    cache = PagedCache(loaded.config, len(prompts), max(map(len, prompts)))
-    # Each prompt in two chunks over two steps, the second a single token (a decode)
-    # for the first prompt: the paged cache carries the context across steps.
-    split = [len(prompts[0]) - 1, *(len(p) // 2 for p in prompts[1:])]
-    first = cache.step(
-        loaded.model, [(i, p[:s], 0) for i, (p, s) in enumerate(zip(prompts, split, strict=True))]
-    )
-    second = cache.step(
-        loaded.model, [(i, p[s:], s) for i, (p, s) in enumerate(zip(prompts, split, strict=True))]
-    )
     with torch.inference_mode():
         theirs = [hf(torch.tensor([p])).logits[0] for p in prompts]
-    for a, b, t in zip(first, second, theirs, strict=True):
-        ours = torch.cat((a, b))
-        assert ours.shape == t.shape
-        diff = (ours - t).abs().max().item()
-        assert diff < 1e-4, f"max logit difference {diff}"
+    for runner in (loaded.model, *([executor] if executor is not None else [])):
+        cache = PagedCache(loaded.config, len(prompts), max(map(len, prompts)))
+        # Each prompt in two chunks over two steps, the second a single token (a decode)
+        # for the first prompt: the paged cache carries the context across steps.
+        split = [len(prompts[0]) - 1, *(len(p) // 2 for p in prompts[1:])]
+        pairs = list(enumerate(zip(prompts, split, strict=True)))
+        first = cache.step(runner, [(i, p[:s], 0) for i, (p, s) in pairs])
+        second = cache.step(runner, [(i, p[s:], s) for i, (p, s) in pairs])
+        for a, b, t in zip(first, second, theirs, strict=True):
+            ours = torch.cat((a, b))
+            assert ours.shape == t.shape
+            diff = (ours - t).abs().max().item()
+            assert diff < 1e-4, f"{type(runner).__name__}: max logit difference {diff}"
 
 
 def test_batched_greedy_matches_transformers(
