@@ -441,8 +441,9 @@ def resolve_model(model: str) -> tuple[str | None, Path, Path | None]:
 
     "embedded" is the default model (the GGUF file and its converted directory), "noisy"
     its weights on no grid (`peers/noisy_checkpoint.py`), "noisy-bf16" those weights
-    stored in bf16 (as most checkpoints are published), "qwen2-shaped" a Qwen2.5-0.5B-
-    shaped checkpoint of random weights (`peers/shaped_checkpoint.py`), anything else a
+    stored in bf16 (as most checkpoints are published), "qwen2-shaped" and "qwen3-shaped" a
+    Qwen2.5-0.5B- or Qwen3-0.6B-shaped checkpoint of random weights
+    (`peers/shaped_checkpoint.py`), anything else a
     local Hugging Face directory or .gguf file. The GGUF file is None where the model has
     none, and llama.cpp is then skipped.
     """
@@ -459,10 +460,10 @@ def resolve_model(model: str) -> tuple[str | None, Path, Path | None]:
 
         path = ensure_noisy_model(dtype=torch.bfloat16 if model == "noisy-bf16" else None)
         return str(path), path, None
-    if model == "qwen2-shaped":
+    if model in ("qwen2-shaped", "qwen3-shaped"):
         from peers.shaped_checkpoint import ensure_shaped_model
 
-        path = ensure_shaped_model()
+        path = ensure_shaped_model(family=model.removesuffix("-shaped"))
         return str(path), path, None
     path = Path(model).resolve()
     if path.is_file() and path.suffix == ".gguf":
@@ -470,7 +471,8 @@ def resolve_model(model: str) -> tuple[str | None, Path, Path | None]:
     if (path / "config.json").is_file():
         return str(path), path, None
     raise ValueError(
-        f"--model {model!r}: not 'embedded', 'noisy', 'noisy-bf16', 'qwen2-shaped', a .gguf "
+        f"--model {model!r}: not 'embedded', 'noisy', 'noisy-bf16', 'qwen2-shaped', "
+        "'qwen3-shaped', a .gguf "
         "file or a directory with config.json"
     )
 
@@ -677,8 +679,9 @@ def main(argv: list[str] | None = None) -> int:
         default="embedded",
         help="embedded (the default model, weights on its GGUF file's Q4_1 grid), noisy "
         "(those weights times 1 + 1e-3 noise: an ordinary checkpoint on no grid), "
-        "noisy-bf16 (those stored in bf16), qwen2-shaped (Qwen2.5-0.5B's shapes, random "
-        "weights), or a local Hugging Face directory or .gguf file; every system serves it",
+        "noisy-bf16 (those stored in bf16), qwen2-shaped and qwen3-shaped (Qwen2.5-0.5B's "
+        "and Qwen3-0.6B's shapes, random weights), or a local Hugging Face directory or "
+        ".gguf file; every system serves it",
     )
     ap.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV)
     ap.add_argument("--llamacpp-dir", type=Path, default=DEFAULT_LLAMACPP_DIR)
