@@ -197,8 +197,9 @@ def strict_server(tmp_path_factory):
     """TLS, a bearer token, one running sequence, a waiting queue of one and a 5 s grace
     period; the last test stops it with SIGTERM."""
     directory = tmp_path_factory.mktemp("strict")
+    # A cache that holds a whole context (the shutdown test's second request).
     server = start_server(directory, "--max-num-seqs", "1", "--max-queue", "1",
-                          "--grace-period", "5", token=TOKEN,
+                          "--grace-period", "5", "--kv-cache-memory", "160MiB", token=TOKEN,
                           tls=make_certificate(directory))  # fmt: skip
     yield server
     stop_server(server)
