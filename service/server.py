@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
 
 def listen_error(flag: str, host: str, port: int, exc: BaseException) -> OSError:
     """A listener that could not bind, said with the flag that chose its port."""
-    reason = f" ({exc.strerror})" if isinstance(exc, OSError) and exc.strerror else ""
+    reason = f" ({os.strerror(exc.errno)})" if isinstance(exc, OSError) and exc.errno else ""
     return OSError(
         f"{flag} {port}: cannot listen on {host}:{port}{reason}: another process holds the "
         f"port, or the address is not this machine's; stop that process or choose another {flag}"
