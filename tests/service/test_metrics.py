@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from pagedinfer.service.metrics import Telemetry, create_telemetry, otlp_enabled
 
-DOC = Path(__file__).resolve().parents[2] / "README.md"  # its Metrics table
+DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
 
 def engine_stats(**overrides):
@@ -181,8 +181,7 @@ def exported_prometheus_names(text: str) -> set[str]:
 
 
 def documented_prometheus_names() -> set[str]:
-    section = DOC.read_text().split("## Metrics", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| `[^`]+` \| `([^`]+)` \|", section, flags=re.MULTILINE)
+    rows = re.findall(r"^\| `[^`]+` \| `([^`]+)` \|", DOC.read_text(), flags=re.MULTILINE)
     return set(rows)
 
 
