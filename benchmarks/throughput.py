@@ -441,9 +441,9 @@ def resolve_model(model: str) -> tuple[str | None, Path, Path | None]:
 
     "embedded" is the default model (the GGUF file and its converted directory), "noisy"
     its weights on no grid (`peers/noisy_checkpoint.py`), "noisy-bf16" those weights
-    stored in bf16 (as most checkpoints are published), "qwen2-shaped" and "qwen3-shaped" a
-    Qwen2.5-0.5B- or Qwen3-0.6B-shaped checkpoint of random weights
-    (`peers/shaped_checkpoint.py`), anything else a
+    stored in bf16 (as most checkpoints are published), "FAMILY-shaped" (and
+    "FAMILY-shaped-bf16", stored in bf16) a checkpoint of random weights with the shapes of
+    `peers/shaped_checkpoint.py`'s SHAPES[FAMILY], anything else a
     local Hugging Face directory or .gguf file. The GGUF file is None where the model has
     none, and llama.cpp is then skipped.
     """
@@ -460,10 +460,14 @@ def resolve_model(model: str) -> tuple[str | None, Path, Path | None]:
 
         path = ensure_noisy_model(dtype=torch.bfloat16 if model == "noisy-bf16" else None)
         return str(path), path, None
-    if model in ("qwen2-shaped", "qwen3-shaped"):
-        from peers.shaped_checkpoint import ensure_shaped_model
+    family, shaped, stored = model.partition("-shaped")
+    if shaped and stored in ("", "-bf16"):
+        from peers.shaped_checkpoint import SHAPES, ensure_shaped_model
 
-        path = ensure_shaped_model(family=model.removesuffix("-shaped"))
+        if family not in SHAPES:
+            raise ValueError(f"--model {model!r}: no shape {family!r} (known: {', '.join(SHAPES)})")
+        dtype = torch.bfloat16 if stored else torch.float32
+        path = ensure_shaped_model(family=family, dtype=dtype)
         return str(path), path, None
     path = Path(model).resolve()
     if path.is_file() and path.suffix == ".gguf":
@@ -471,9 +475,8 @@ def resolve_model(model: str) -> tuple[str | None, Path, Path | None]:
     if (path / "config.json").is_file():
         return str(path), path, None
     raise ValueError(
-        f"--model {model!r}: not 'embedded', 'noisy', 'noisy-bf16', 'qwen2-shaped', "
-        "'qwen3-shaped', a .gguf "
-        "file or a directory with config.json"
+        f"--model {model!r}: not 'embedded', 'noisy', 'noisy-bf16', 'FAMILY-shaped[-bf16]', "
+        "a .gguf file or a directory with config.json"
     )
 
 
@@ -679,9 +682,11 @@ def main(argv: list[str] | None = None) -> int:
         default="embedded",
         help="embedded (the default model, weights on its GGUF file's Q4_1 grid), noisy "
         "(those weights times 1 + 1e-3 noise: an ordinary checkpoint on no grid), "
-        "noisy-bf16 (those stored in bf16), qwen2-shaped and qwen3-shaped (Qwen2.5-0.5B's "
-        "and Qwen3-0.6B's shapes, random weights), or a local Hugging Face directory or "
-        ".gguf file; every system serves it",
+        "noisy-bf16 (those stored in bf16), FAMILY-shaped or FAMILY-shaped-bf16 (random "
+        "weights in a published model's shapes, stored in fp32 or bf16; FAMILY is one of "
+        "peers/shaped_checkpoint.py's SHAPES: qwen2, qwen3, qwen3-1.7b, llama3-1b, "
+        "gemma3-1b, phi4-mini-8l, smollm3-12l), or a local Hugging Face directory or .gguf "
+        "file; every system serves it",
     )
     ap.add_argument("--vllm-venv", type=Path, default=DEFAULT_VLLM_VENV)
     ap.add_argument("--llamacpp-dir", type=Path, default=DEFAULT_LLAMACPP_DIR)
