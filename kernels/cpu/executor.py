@@ -71,7 +71,8 @@ LIBRARY_MIN_ROWS = 64
 CHILD_COMPILE_TIMEOUT_S = 1800.0
 
 # The architecture features (a model config's `features()`) this executor implements.
-# Rotary scalings only change the cos/sin table, which it reads from the model.
+# Rotary scalings only change the cos/sin tables, which it reads from the model; which
+# dims of a layer rotate by which table is data of the kernels (`_Layer.rope`).
 SUPPORTED_FEATURES = frozenset(
     {
         "rms_norm",
@@ -81,9 +82,15 @@ SUPPORTED_FEATURES = frozenset(
         "rope_scaling_dynamic",
         "rope_scaling_llama3",
         "rope_scaling_yarn",
+        "rope_scaling_longrope",
+        "partial_rotary",
+        "no_rope_layers",
+        "local_layer_rope",
         "grouped_query_attention",
         "qkv_bias",
         "qk_norm",
+        "query_pre_attn_scalar",
+        "final_logit_softcapping",
         "o_proj_bias",
         "mlp_bias",
         "tied_embeddings",
@@ -122,6 +129,9 @@ class _Layer:
     norms: tuple[torch.Tensor, torch.Tensor]  # input and post-attention RMSNorm weights
     # [2, head_dim]: the query and key heads' RMSNorm weights (Qwen3's); None: no q/k norms.
     qk_norm: torch.Tensor | None
+    # How many leading dims of each q and k head rotate (0: none, a NoPE layer), and by
+    # which cos/sin table (`CpuExecutor._rope_tables`: 0 the model's rope, 1 its local one).
+    rope: tuple[int, int]
     qkv: Gemm
     o: Gemm
     gate_up: Gemm
@@ -189,9 +199,9 @@ class CpuExecutor:
         if self.mode == "grid":
             self.mode = "mkl" if mkl_fp32_available(self.config_dtype()) else "dense"
         make = {"mkl": MklGemm.of, "onednn": OneDnnGemm.of, "dense": DenseGemm.of}[self.mode]
-        for layer in model.layers:
+        for i, layer in enumerate(model.layers):
             gemms = [make(lin.weight, lin.bias) for lin in layer.linears()]
-            self.layers.append(_Layer(_norms(layer), _qk_norm(layer), *gemms))
+            self.layers.append(_Layer(_norms(layer), _qk_norm(layer), self._rope(i), *gemms))
         self.lm_head = make(model.lm_head_weight(), None)
 
     def _grids(self) -> tuple[list[list[Any]], Any] | None:
@@ -234,6 +244,7 @@ class CpuExecutor:
             norms.detach().numpy(),
             model.norm.weight.detach().numpy(),
             self.config.rms_norm_eps,
+            np.array([self._rope(i) for i in range(len(model.layers))], np.int64),
             argmax,
             torch.stack(qkv_biases).detach().float().numpy() if biased else None,
             torch.stack(qk_norms).float().numpy() if qk_normed else None,
@@ -249,11 +260,28 @@ class CpuExecutor:
                 view = self.fused.layer_grid(position, i)
                 bias = qkv_biases[i].detach().float() if biased and position == 0 else None
                 gemms.append(GridGemm(view, orders[position], bias))
-            self.layers.append(_Layer(_norms(layer), qk_norms[i], *gemms))
+            self.layers.append(_Layer(_norms(layer), qk_norms[i], self._rope(i), *gemms))
         self.lm_head = GridGemm(lm_head, orders[4])
         self.argmax = argmax
         if self.bf16_products and amx_bf16():
             self.library_layers = library_layers(self.layers)
+
+    def _rope(self, layer: int) -> tuple[int, int]:
+        """Layer `layer`'s rotated dims and cos/sin table (`_Layer.rope`), as the model's
+        attention rotates: its own count (0 in a NoPE layer), and the local layers' rope
+        where the model has one."""
+        model = self.model
+        local = model.local_rotary is not None and layer in self.config.local_layers
+        return model.layers[layer].self_attn.rotary_dim, int(local)
+
+    def _rope_tables(self, positions: torch.Tensor) -> torch.Tensor:
+        """The positions' rows of the model's cos/sin tables, [T, 2 * tables, half]: its
+        rope, then its local layers' where it has one."""
+        model = self.model
+        rope = model.rotary(positions)
+        if model.local_rotary is None:
+            return rope
+        return torch.cat((rope, model.local_rotary(positions)), dim=1)
 
     def build_and_warm_up(
         self,
@@ -549,7 +577,18 @@ class CpuExecutor:
                 f"greedy has shape {tuple(greedy.shape)}, logits_indices "
                 f"{tuple(logits_indices.shape)}"
             )
-        return self._forward(input_ids, positions, kv_caches, attn, logits_indices, greedy)
+        cap = self.config.final_logit_softcapping
+        if cap is None:
+            return self._forward(input_ids, positions, kv_caches, attn, logits_indices, greedy)
+        # Capped, distinct logits may round to one value, whose first index the sampler's
+        # argmax takes: every row's logits are computed and capped as the model caps them.
+        logits, _ = self._forward(input_ids, positions, kv_caches, attn, logits_indices, None)
+        return torch.tanh(logits / cap) * cap, None
+
+    @property
+    def attention_scale(self) -> float:
+        """What attention scales the scores by, as the model's attention does."""
+        return (self.config.query_pre_attn_scalar or self.config.head_dim) ** -0.5
 
     def _forward(
         self,
@@ -560,8 +599,8 @@ class CpuExecutor:
         logits_indices: torch.Tensor,
         greedy: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        hidden = self.model.embed_tokens(input_ids)
-        rope = self.model.rotary(positions)
+        hidden = self.model.embed(input_ids)  # the model's own (Gemma 3 scales it)
+        rope = self._rope_tables(positions)
         attn.compiled = self.compiled
         layers = self.layers
         if self.library_layers is not None and hidden.shape[0] >= LIBRARY_MIN_ROWS:
@@ -616,7 +655,7 @@ class CpuExecutor:
             config.head_dim,
         )
         q_size, kv_size = nh * d, nkv * d
-        scale = d**-0.5
+        scale = self.attention_scale
         qkv = layer.qkv(self._norm(hidden, layer.norms[0]))
         query = qkv[:, :q_size].view(num_tokens, nh, d)
         k_cache, v_cache = kv_cache
@@ -637,13 +676,16 @@ class CpuExecutor:
                 nh,
                 layer.qk_norm,
                 config.rms_norm_eps,
+                *layer.rope,
             )
         else:
             qk = qkv[:, : q_size + kv_size].view(num_tokens, nh + nkv, d)
             if layer.qk_norm is not None:  # each q and k head, before the rotation
                 qk[:, :nh] = self._norm(qk[:, :nh], layer.qk_norm[0])
                 qk[:, nh:] = self._norm(qk[:, nh:], layer.qk_norm[1])
-            self.model.rotary.rotate(qk, rope)
+            dims, table = layer.rope
+            if dims:
+                self.model.rotary.rotate(qk[..., :dims], rope[:, 2 * table : 2 * table + 2])
             value = qkv[:, q_size + kv_size :].view(num_tokens, nkv, d)
             kernels.write_kv(
                 qk[:, nh:],
@@ -696,7 +738,7 @@ class CpuExecutor:
         query = hidden.new_empty(tokens, config.num_heads, config.head_dim)
         qsl = attn.query_start_loc
         args = (query, k_cache, v_cache, attn.block_tables, attn.seq_lens, qsl)
-        scale = config.head_dim**-0.5
+        scale = self.attention_scale
         if not attn.validated:  # the checks the first layer's calls make
             key = hidden.new_empty(tokens, config.num_kv_heads, config.head_dim)
             check_write_kv(key, key, k_cache, v_cache, attn.slot_mapping, False)
@@ -767,6 +809,7 @@ def library_layers(layers: list[_Layer]) -> list[_Layer]:
         _Layer(
             layer.norms,
             layer.qk_norm,
+            layer.rope,
             *(LibraryBf16Gemm(g.weight, g.bias) for g in layer.gemms()),
         )
         for layer in layers

@@ -111,6 +111,10 @@ class FusedWeights:
     # fp32 [layers, 2, head_dim]: the query and key heads' RMSNorm weights (Qwen3's), applied
     # before the rotation; [layers, 0, 0] for a model without them.
     qk_norm: np.ndarray
+    # int64 [layers, 2]: how many leading dims of each q and k head a layer rotates (0: a
+    # NoPE layer, SmolLM3's; fewer than head_dim: partial rotary, Phi-3's), and which of
+    # the step's cos/sin tables it reads (1: the local layers' own rope, Gemma 3's).
+    rope: np.ndarray
     # The LM head as `greedy_argmax` picks greedy rows' tokens from it; None: every row's
     # logits are computed.
     argmax: greedy_argmax.ArgmaxWeights | None = None
@@ -125,15 +129,17 @@ class FusedWeights:
         norms: np.ndarray,
         final_norm: np.ndarray,
         eps: float,
+        rope: np.ndarray,
         argmax: greedy_argmax.ArgmaxWeights | None = None,
         qkv_bias: np.ndarray | None = None,
         qk_norm: np.ndarray | None = None,
     ) -> FusedWeights | None:
         """From each layer's four grids (q/k/v, o, gate/up, down) and the order each GEMM
-        sums in (the four and the LM head), each layer's q/k/v bias where the model has
-        them ([layers, q/k/v outputs]) and its q and k norms' weights where it has those
-        ([layers, 2, head_dim]); None where one GEMM's grids differ in shape across layers,
-        or come in more than two kinds (with their arrays' types)."""
+        sums in (the four and the LM head), each layer's rotated dims and cos/sin table
+        ([layers, 2], `rope`), its q/k/v bias where the model has them ([layers, q/k/v
+        outputs]) and its q and k norms' weights where it has those ([layers, 2,
+        head_dim]); None where one GEMM's grids differ in shape across layers, or come in
+        more than two kinds (with their arrays' types)."""
         kinds, codes, scales, seconds, second_codes, second_scales = [], [], [], [], [], []
         layer_slots = np.zeros((4, len(layers)), np.int64)
         for p, position in enumerate(zip(*layers, strict=True)):
@@ -170,6 +176,8 @@ class FusedWeights:
             qk_norm = np.zeros((len(layers), 0, 0), np.float32)
         elif qk_norm.ndim != 3 or qk_norm.shape[:2] != (len(layers), 2):
             return None
+        if rope.shape != (len(layers), 2):
+            return None
         return cls(
             norms=np.ascontiguousarray(norms, dtype=np.float32),
             final_norm=np.ascontiguousarray(final_norm, dtype=np.float32),
@@ -186,6 +194,7 @@ class FusedWeights:
             layer_slots=layer_slots,
             qkv_bias=np.ascontiguousarray(qkv_bias, dtype=np.float32),
             qk_norm=np.ascontiguousarray(qk_norm, dtype=np.float32),
+            rope=np.ascontiguousarray(rope, dtype=np.int64),
         )
 
     def layer_grid(self, position: int, layer: int) -> grid_gemm.GridWeight:
@@ -212,6 +221,7 @@ class FusedWeights:
             self.final_norm,
             self.qkv_bias,
             self.qk_norm,
+            self.rope,
         )
         return sum(a.nbytes for a in arrays)
 
@@ -358,6 +368,7 @@ def _new_setup(
             weights.layer_slots,
             weights.qkv_bias,
             weights.qk_norm,
+            weights.rope,
         ),
         scratch_args=(
             np.empty((tokens, shape.hidden), np.float32),  # normed
@@ -407,7 +418,8 @@ def fused_forward(
     scratch: StepScratch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Every layer over the new tokens' hidden states [T, hidden] (the embeddings; the
-    step's scratch after), then the final norm and LM head of rows logits_indices: fp32 logits
+    step's scratch after; cos_sin [T, 2 * tables, half]: each token's rows of the rotary
+    tables that `weights.rope` names), then the final norm and LM head of rows logits_indices: fp32 logits
     [S, vocab], and with `greedy` (bool [S]: rows whose only use is their argmax) the
     argmax tokens int64 [S] that `greedy_argmax` picked for those rows (-1 for every other
     row), whose logits are then not computed. plan: the batch's
@@ -627,6 +639,7 @@ def _kernel(
         layer_slots: np.ndarray,
         qkv_bias: np.ndarray,
         qk_norm: np.ndarray,
+        rope: np.ndarray,
         k_caches: Any,
         v_caches: Any,
         d_rows: np.ndarray,
@@ -719,6 +732,8 @@ def _kernel(
                 nkv,
                 qk_norm[layer],
                 eps,
+                rope[layer, 0],
+                rope[layer, 1],
             )
             if bad >= 0 and sync[1] == 0:
                 sync[1] = lo + bad + 1  # a bad token (the workers' own first ones race)

@@ -6,7 +6,8 @@ batch sizes, where each op costs mostly its dispatch. These kernels do the same 
 three calls:
 - `rms_norm`: one pass per row, fp32 sums;
 - `rope_write_kv`: RMS-norms each q and k head where the model has q/k norms (Qwen3),
-  rotates q and k in place inside the q/k/v GEMM's output and copies
+  rotates the leading dims of q and k that the layer rotates (all, some, or none in a
+  NoPE layer) in place inside the q/k/v GEMM's output and copies
   each token's k and v rows into its cache slot (slot -1: padding, skipped), rounded to
   bf16 where the cache is bf16;
 - `silu_mul`: SiLU of the gate half times the up half.
@@ -74,22 +75,36 @@ def rope_write_kv(
     num_heads: int,
     qk_norm: torch.Tensor | None = None,
     eps: float = 0.0,
+    rotary_dim: int | None = None,
+    table: int = 0,
 ) -> None:
     """RMS-norm each q and k head where qk_norm is given (fp32 [2, head_dim]: the query
-    and key norms' weights, with eps), rotate q and k in place and store k and v at their
-    cache slots.
+    and key norms' weights, with eps), rotate the first `rotary_dim` dims of each q and k
+    head in place and store k and v at their cache slots.
 
     qkv: contiguous [tokens, (num_heads + 2 * num_kv_heads) * head_dim], the q/k/v
-    GEMM's output (q heads, then k heads, then v heads). cos_sin: [tokens, 2, head_dim /
-    2], each token's cos and sin rows (neox style: the two halves of a head form the
-    pairs). slot_mapping: int64 [tokens]. k_cache, v_cache: contiguous [num_blocks,
-    block_size, num_kv_heads, head_dim], fp32 or bf16 (k and v rounded to nearest, as
-    torch rounds). Raises ValueError for a strided cache (the writes would land in a
-    copy) or a slot past the cache's end.
+    GEMM's output (q heads, then k heads, then v heads). cos_sin: [tokens, 2 * tables,
+    half], each token's cos and sin rows of one or more rotary tables (neox style: the two
+    halves of the rotated dims form the pairs); `table` picks the layer's. rotary_dim: the
+    rotated dims of each head, at most 2 * half (None: 2 * half; 0: none, a NoPE layer).
+    slot_mapping: int64 [tokens]. k_cache, v_cache: contiguous [num_blocks, block_size,
+    num_kv_heads, head_dim], fp32 or bf16 (k and v rounded to nearest, as torch rounds).
+    Raises ValueError for a strided cache (the writes would land in a copy), a rotary
+    dim or table the arguments do not hold, or a slot past the cache's end.
     """
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("rope_write_kv: k_cache and v_cache must be contiguous")
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    half = cos_sin.shape[2]
+    if rotary_dim is None:
+        rotary_dim = 2 * half
+    if rotary_dim % 2 or not 0 <= rotary_dim <= min(2 * half, head_dim):
+        raise ValueError(
+            f"rope_write_kv: rotary_dim {rotary_dim} must be even and at most "
+            f"min(2 * {half}, head_dim {head_dim})"
+        )
+    if not 0 <= 2 * table < cos_sin.shape[1]:
+        raise ValueError(f"rope_write_kv: table {table} is not among cos_sin's tables")
     shape = (num_blocks * block_size, num_kv_heads * head_dim)
     bad = rope_write_kv_rows(
         qkv.numpy(),
@@ -101,6 +116,8 @@ def rope_write_kv(
         num_kv_heads,
         _NO_QK_NORM if qk_norm is None else qk_norm.detach().float().contiguous().numpy(),
         np.float32(eps),
+        rotary_dim,
+        table,
     )
     if bad >= 0:
         raise ValueError(
@@ -239,15 +256,22 @@ def rope_write_kv_rows(
     num_kv_heads: int,
     qk_norm: np.ndarray,
     eps: np.float32,
+    rotary_dim: int,
+    table: int,
 ) -> int:
     """qk_norm: fp32 [2, head_dim], the query and key heads' RMSNorm weights (Qwen3's),
-    applied before the rotation; [0, 0] for a model without them. Returns the first token
-    whose slot is past the cache's end, or -1 (all written)."""
-    half = cos_sin.shape[2]
-    head_dim = 2 * half
+    applied before the rotation; [0, 0] for a model without them. rotary_dim and table:
+    the leading dims of each head that rotate (0: none) by cos_sin's rows 2 * table and
+    2 * table + 1. Which layers rotate how many dims by which table is data, so one
+    compiled kernel serves every family of a shape (NoPE layers, partial rotary, a rope
+    of the local layers' own). Returns the first token whose slot is past the cache's
+    end, or -1 (all written)."""
+    width = k_rows.shape[1]
+    head_dim = width // num_kv_heads
+    half = rotary_dim // 2
+    cos_row, sin_row = 2 * table, 2 * table + 1
     k_start = num_heads * head_dim
-    v_start = k_start + num_kv_heads * head_dim
-    width = num_kv_heads * head_dim
+    v_start = k_start + width
     normed = qk_norm.shape[0] > 0
     acc = stack_array((LANES,))
     rest = stack_array((3, LANES))
@@ -261,7 +285,7 @@ def rope_write_kv_rows(
                 weight = qk_norm[0] if h < num_heads else qk_norm[1]
                 rms_norm_row(head, weight, eps, head, acc, rest)
             for j in range(half):
-                cos, sin = cos_sin[t, 0, j], cos_sin[t, 1, j]
+                cos, sin = cos_sin[t, cos_row, j], cos_sin[t, sin_row, j]
                 x1, x2 = qkv[t, first + j], qkv[t, first + half + j]
                 qkv[t, first + j] = x1 * cos - x2 * sin
                 qkv[t, first + half + j] = x2 * cos + x1 * sin

@@ -126,6 +126,49 @@ def test_rope_write_kv_norms_each_q_and_k_head_before_rotating(
     assert torch.equal(v_cache.view(rows, -1)[slots], expected[:, q_size + kv_size :])
 
 
+@pytest.mark.parametrize(("rotary_dim", "table"), [(0, 0), (16, 0), (32, 1), (64, 1)])
+def test_rope_write_kv_rotates_the_leading_dims_the_layer_rotates_by_its_table(
+    rotary_dim: int, table: int
+) -> None:
+    """NoPE (no dims), partial rotary (the first 16 or 32 of 64 dims) and a second cos/sin
+    table (a local layer's rope): the dims past rotary_dim and v are left as they are."""
+    num_heads, num_kv_heads, head_dim = 4, 2, 64
+    qkv, _, k_cache, v_cache = make_rope_batch(3, num_heads, num_kv_heads, head_dim, seed=3)
+    angles = torch.rand(3, 2, 32, generator=torch.Generator().manual_seed(4)) * 100
+    tables = torch.stack((angles.cos(), angles.sin()), dim=2).flatten(1, 2)  # [3, 4, 32]
+    cos_sin = tables[:, 2 * table : 2 * table + 2, : rotary_dim // 2]
+    slots = torch.tensor([2, 9, 30])
+    q_and_k = (num_heads + num_kv_heads) * head_dim
+    expected = qkv.clone()
+    if rotary_dim:
+        apply_rotary(expected[:, :q_and_k].view(3, -1, head_dim)[..., :rotary_dim], cos_sin)
+
+    layer_ops.rope_write_kv(
+        qkv, tables.contiguous(), slots, k_cache, v_cache, num_heads,
+        rotary_dim=rotary_dim, table=table,
+    )  # fmt: skip
+    torch.testing.assert_close(qkv, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(qkv[:, q_and_k:], expected[:, q_and_k:])
+    rows = k_cache.shape[0] * k_cache.shape[1]
+    torch.testing.assert_close(
+        k_cache.view(rows, -1)[slots],
+        expected[:, num_heads * head_dim :][:, : num_kv_heads * head_dim],
+    )
+    assert torch.equal(v_cache.view(rows, -1)[slots], expected[:, q_and_k:])
+
+
+@pytest.mark.parametrize(("rotary_dim", "table"), [(66, 0), (7, 0), (16, 2)])
+def test_rope_write_kv_refuses_dims_or_a_table_its_arguments_do_not_hold(
+    rotary_dim: int, table: int
+) -> None:
+    qkv, cos_sin, k_cache, v_cache = make_rope_batch(2, 2, 1, 64)
+    with pytest.raises(ValueError, match=r"rotary_dim|table"):
+        layer_ops.rope_write_kv(
+            qkv, cos_sin, torch.tensor([0, 1]), k_cache, v_cache, 2,
+            rotary_dim=rotary_dim, table=table,
+        )  # fmt: skip
+
+
 def test_rope_write_kv_rounds_into_a_bf16_cache_as_torch_does() -> None:
     qkv, cos_sin, k_cache, v_cache = make_rope_batch(5, 9, 3, 64, seed=2)
     # v (not rotated) of token 0: two ties, inf and -0; k of token 1: a NaN.

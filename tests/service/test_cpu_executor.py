@@ -146,20 +146,46 @@ def compiled_signatures() -> int:
     return sum(len(d.overloads) for d in dispatchers)
 
 
-def test_q_k_norms_are_data_of_the_kernels_a_llama_of_their_shapes_runs() -> None:
-    """Qwen3's q/k head norms are arrays the compiled step and layer ops read (empty for a
-    Llama), not a kernel variant: serving a Qwen3 after a Llama of the same shapes
-    compiles no new kernel signature."""
+# What families change in the Llama layer, each served by the kernels a Llama of the same
+# shapes compiles: the q/k norms' weights, which dims of which layer rotate by which table,
+# the attention scale and the logits' cap are data, not kernel variants.
+DATA_FEATURES = (
+    "qk_norm",
+    "no_rope_layers",
+    "partial_rotary",
+    "rope_scaling_longrope",
+    "local_layer_rope",
+    "query_pre_attn_scalar",
+    "final_logit_softcapping",
+)
+
+
+@pytest.mark.parametrize("feature", DATA_FEATURES)
+def test_family_features_are_data_of_the_kernels_a_llama_of_their_shapes_runs(
+    feature: str,
+) -> None:
+    """Serving a model with the feature after a Llama of the same shapes compiles no new
+    kernel signature (Qwen3's q/k norms, SmolLM3's NoPE layers, Phi-3's partial rotary and
+    LongRoPE, a local layers' rope)."""
     llama = cpu.prepare(random_model(ModelConfig(**BASE)), BLOCK_SIZE)
     if llama is None or not llama.compiled:
         pytest.skip("no compiled kernels on this machine")
     before = compiled_signatures()
-    config = ModelConfig(**{**BASE, **FEATURE_CASES["qk_norm"]})
-    qwen3 = cpu.prepare(random_model(config), BLOCK_SIZE)
-    assert qwen3 is not None and qwen3.active and qwen3.fused is not None
-    assert qwen3.fused.qk_norm.shape == (BASE["num_layers"], 2, BASE["head_dim"])
-    assert llama.fused.qk_norm.shape == (BASE["num_layers"], 0, 0)
+    config = ModelConfig(**{**BASE, **FEATURE_CASES[feature]})
+    family = cpu.prepare(random_model(config), BLOCK_SIZE)
+    assert family is not None and family.active and family.fused is not None
     assert compiled_signatures() == before
+    layers, head_dim = BASE["num_layers"], BASE["head_dim"]
+    assert llama.fused.qk_norm.shape == (layers, 0, 0)
+    assert llama.fused.rope.tolist() == [[head_dim, 0]] * layers
+    if feature == "qk_norm":
+        assert family.fused.qk_norm.shape == (layers, 2, head_dim)
+    rope = {
+        "no_rope_layers": [[head_dim, 0], [0, 0]],
+        "partial_rotary": [[head_dim // 2, 0]] * layers,
+        "local_layer_rope": [[head_dim, 1], [head_dim, 0]],
+    }
+    assert family.fused.rope.tolist() == rope.get(feature, [[head_dim, 0]] * layers)
 
 
 def test_a_feature_the_executor_lacks_leaves_the_model_to_its_torch_forward(

@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -54,12 +55,16 @@ def on_grid(
 
 
 def grid_model(
-    seed: int = 0, attention_bias: bool = False, o_proj_bias: bool = False, qk_norm: bool = False
+    seed: int = 0,
+    attention_bias: bool = False,
+    o_proj_bias: bool = False,
+    qk_norm: bool = False,
+    **config_fields: Any,
 ) -> LlamaModel:
     """A small Llama whose GEMM weights lie on 4-bit grids and whose (tied) embeddings on
     an 8-bit one, as a GGUF file's Q4_1 and Q8_0 weights load; with q/k/v biases (as
     Qwen2's), an o_proj bias and q/k head norms (a Qwen3 of these shapes) where asked,
-    each drawn at random."""
+    each drawn at random, and any other `ModelConfig` fields given."""
     config = ModelConfig(
         architecture="qwen3" if qk_norm else "llama",
         vocab_size=512,
@@ -77,6 +82,7 @@ def grid_model(
         o_proj_bias=o_proj_bias,
         qk_norm=qk_norm,
         max_position_embeddings=1024,  # room for a step past the grid's 512 rows
+        **config_fields,
     )
     rng = np.random.default_rng(seed)
     model = (Qwen3Model if qk_norm else LlamaModel)(config).eval()
@@ -241,9 +247,10 @@ def test_a_position_in_more_than_two_kinds_is_refused() -> None:
     layers = [[g, g, g, g] for g in grids]
     orders = [grid_gemm.fixed_order(64)] * 5
     norms = np.ones((3, 2, 64), np.float32)
+    rope = np.array([(16, 0)] * 3)
     stack = fused_step.FusedWeights.stack
-    assert stack(layers, grids[1], orders, 8, norms, norms[0, 0], 1e-5) is None
-    two = stack(layers[:2], grids[1], orders, 8, norms[:2], norms[0, 0], 1e-5)
+    assert stack(layers, grids[1], orders, 8, norms, norms[0, 0], 1e-5, rope) is None
+    two = stack(layers[:2], grids[1], orders, 8, norms[:2], norms[0, 0], 1e-5, rope[:2])
     assert two is not None and two.second_kinds == (grid_gemm.SCALED8,) * 4
 
 
@@ -547,6 +554,34 @@ def test_q_k_v_biases_are_added_in_the_fused_step() -> None:
     assert (run(base.copy(), without, chunks, fused=True) - fused).abs().max() > 1e-2
 
 
+def test_which_dims_rotate_by_which_table_is_data_of_the_fused_step() -> None:
+    """A layer that rotates no dims (SmolLM3's NoPE), partial rotary (Phi-3's), a local
+    layer with a rope of its own (Gemma 3's) and a query scale of the config's: the fused
+    step reads each layer's rotated dims and cos/sin table as data and gives the layered
+    logits and K/V bit for bit; both are the model's own torch forward within rounding,
+    and the same shapes rotated as a Llama differ."""
+    fields = {
+        "nope_layers": (1,),
+        "partial_rotary_factor": 0.5,
+        "local_layers": (2,),
+        "local_rope_theta": 100.0,
+        "query_pre_attn_scalar": 48.0,
+    }
+    model = grid_model(seed=1, **fields)
+    reference = copy.deepcopy(model)
+    executor = grid_executor(model)
+    assert executor.fused.rope.tolist() == [[32, 0], [0, 0], [32, 1]]
+    base = prefilled(executor, [20, 33])
+    chunks = [(0, [5], 20), (1, [1, 2, 3, 4, 5], 33)]
+    assert_fused_matches_layered(executor, base, chunks)
+    fused = run(base.copy(), executor, chunks, fused=True)
+    theirs = torch.cat(base.copy().step(reference, chunks))
+    torch.testing.assert_close(fused, theirs, rtol=1e-4, atol=1e-4)
+    llama = grid_executor(grid_model(seed=1))
+    assert llama.fused.rope.tolist() == [[64, 0]] * 3
+    assert (run(base.copy(), llama, chunks, fused=True) - fused).abs().max() > 1e-2
+
+
 def test_q_and_k_heads_are_normed_in_the_fused_step() -> None:
     """Grid weights with q/k head norms (Qwen3's): the fused step norms each layer's query
     and key heads before their rotation, from the norms' weights as data of the one
@@ -642,6 +677,7 @@ def test_a_step_keeps_its_setup_for_the_next_step_of_its_shape_and_no_other() ->
         layer_slots=np.zeros((4, 3), np.int64),
         qkv_bias=np.zeros((3, 0), np.float32),
         qk_norm=np.zeros((3, 0, 0), np.float32),
+        rope=np.array([(64, 0)] * 3),
     )
     scratch = fused_step.StepScratch()
     shape = fused_step.StepShape(256, 4, 2, 64, 512, 512, BLOCK_SIZE)
