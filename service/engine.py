@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from pagedinfer.service import dtypes, prompts, spec_decode
+from pagedinfer.service.beam_search import BeamSearch
 from pagedinfer.service.config import EngineConfig
 from pagedinfer.service.kv_events import create_publisher
 from pagedinfer.service.loader import load_model, stored_dtype
@@ -73,6 +74,16 @@ class _Group:
     finished: set[int] = field(default_factory=set)
     prompt_logprobs: list[dict] | None = None  # with params.prompt_logprobs: so far
     prompt_logprobs_sent: bool = False
+    # With use_beam_search: the search, and each live beam's request by slot (the first
+    # request is kept for its queue time and cache hit).
+    beams: BeamSearch | None = None
+    beam_requests: dict[int, Request] = field(default_factory=dict)
+    first: Request | None = None
+
+    @property
+    def num_slots(self) -> int:
+        """Scheduler ids the group may use: one per sample, or per beam."""
+        return self.params.beam_width if self.params.use_beam_search else self.params.n
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -195,6 +206,12 @@ class LLMEngine:
             cache_salt=cache_salt,
         )
         self.scheduler.check_fits(request)
+        if params.use_beam_search and params.beam_width > self.config.max_num_seqs:
+            # Beams advance together: more of them than a step runs would wait forever.
+            raise ValueError(
+                f"best_of: a beam width of {params.beam_width} exceeds max_num_seqs "
+                f"({self.config.max_num_seqs})"
+            )
         if params.structured_output is not None:
             try:
                 self.grammars.check(params.structured_output)
@@ -218,17 +235,21 @@ class LLMEngine:
                 prompt_token_ids, params, request_id, cache_salt, arrival_time
             )
         request_id, params = request.request_id, request.sampling_params
-        sample_ids = [sample_request_id(request_id, i) for i in range(params.n)]
+        group = _Group(request_id, params, request.prompt_token_ids, request.cache_salt)
+        sample_ids = [sample_request_id(request_id, i) for i in range(group.num_slots)]
         for sample_id in sample_ids:
             if sample_id in self._owner:
                 owner = self._owner[sample_id]
                 detail = "" if owner == sample_id == request_id else f" (by request {owner!r})"
                 raise ValueError(f"request_id {sample_id!r} is already in use{detail}")
-        group = _Group(request_id, params, request.prompt_token_ids, request.cache_salt)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = []
         self.scheduler.add_request(request)
-        group.samples[0] = self._new_sample(request, group, 0)
+        if params.use_beam_search:
+            group.beams = BeamSearch(params, request.prompt_token_ids, self.eos_token_ids)
+            group.beam_requests[0] = group.first = request
+        else:
+            group.samples[0] = self._new_sample(request, group, 0)
         self._groups[request_id] = group
         self._owner.update(dict.fromkeys(sample_ids, request_id))
         return request_id
@@ -239,6 +260,8 @@ class LLMEngine:
         if group is None:
             return []
         deltas = []
+        for beam in group.beam_requests.values():
+            self.scheduler.finish_request(beam.request_id, RequestStatus.FINISHED_ABORTED)
         for index, sample in list(group.samples.items()):
             if index not in group.finished:
                 self.scheduler.finish_request(
@@ -305,6 +328,12 @@ class LLMEngine:
         checked: list[tuple[_Group, int, NewTokens]] = []
         sampled: dict[str, list[int]] = {}
         forks: list[tuple[Request, Request]] = []
+        beam_rows, first_row = [], 0
+        for req, num_rows in zip(model_out.requests, model_out.num_rows, strict=True):
+            group = self._groups[self._owner[req.request_id]]
+            if group.beams is not None:
+                beam_rows.append((group, req, model_out.logits[first_row]))
+            first_row += num_rows
         for (req, index), picks in self._sample(model_out, drafts, masks).items():
             group = self._groups[self._owner[req.request_id]]
             if index == req.index:
@@ -319,10 +348,14 @@ class LLMEngine:
             if grammar is not None and not grammar.accept(kept.token_ids):
                 log.warning("request %s: its grammar refused a kept token", req.request_id)
             checked.append((group, index, kept))
+        beam_deltas = self._step_beams(beam_rows, sampled, forks)
         self.scheduler.update_from_output(out, sampled)
         for parent, child in forks:
-            self.scheduler.fork_request(parent, child)
-        deltas = []
+            if parent.status is RequestStatus.RUNNING:
+                self.scheduler.fork_request(parent, child)
+            else:  # a beam preempted while it waited: its child computes its tokens anew
+                self.scheduler.add_request(child)
+        deltas = beam_deltas
         for group, index, kept in checked:
             if kept.finish_reason is not None:
                 self.scheduler.finish_request(
@@ -369,6 +402,8 @@ class LLMEngine:
         next pick. The first rows of a request with n > 1 are sampled once per sample.
         masks: from `_start_masks`; the rows of constrained requests are masked first."""
         grammar_masks = {} if masks is None else masks.result()
+        if all(self._groups[self._owner[r.request_id]].beams for r in model_out.requests):
+            return {}
         masked: list[tuple[int, np.ndarray]] = []  # (row of `rows`, its bitmask row)
         rows: list[SamplingRow] = []
         owners: list[tuple[int, Request, int]] = []  # (logits row, request, sample index)
@@ -376,6 +411,9 @@ class LLMEngine:
         first_row = 0
         for req, num_rows in zip(model_out.requests, model_out.num_rows, strict=True):
             group = self._groups[self._owner[req.request_id]]
+            if group.beams is not None:  # beam rows go to the search (_step_beams)
+                first_row += num_rows
+                continue
             forking = group.params.n > 1 and req.num_output_tokens == 0
             draft = drafts[req.request_id]
             for index in range(group.params.n) if forking else [req.index]:
@@ -415,6 +453,95 @@ class LLMEngine:
             if index == req.index and req in checkpoints:
                 checkpoints[req].rewind(len(results))  # one draw per kept token
         return picks
+
+    def _step_beams(
+        self,
+        rows: list[tuple[_Group, Request, torch.Tensor]],
+        sampled: dict[str, list[int]],
+        forks: list[tuple[Request, Request]],
+    ) -> list[CompletionDelta]:
+        """Hand each beam's logits row to its search and advance the searches whose live
+        beams have all proposed: continued beams keep a token (in `sampled`, or at once
+        for a beam that waited), new beams are added to `forks`, pruned beams free their
+        blocks now. A beam whose search cannot advance yet keeps nothing (it waits).
+        Returns the outputs of the searches that ended."""
+        deltas: list[CompletionDelta] = []
+        advancing: list[_Group] = []
+        for group, req, logits in rows:
+            assert group.beams is not None
+            group.beams.propose(req.index, logits)
+            sampled[req.request_id] = []
+            if group.beams.ready() and group not in advancing:
+                advancing.append(group)
+        for group in advancing:
+            beams, requests = group.beams, group.beam_requests
+            assert beams is not None
+            step = beams.advance()
+            for slot in step.pruned:
+                self.scheduler.finish_request(
+                    requests.pop(slot).request_id, RequestStatus.FINISHED_STOPPED
+                )
+            if step.done:
+                deltas.extend(self._beam_outputs(group))
+                continue
+            for parent_slot, slot, token in step.forks:
+                parent = requests[parent_slot]
+                child = Request(
+                    request_id=sample_request_id(group.request_id, slot),
+                    prompt_token_ids=group.prompt_token_ids,
+                    sampling_params=group.params,
+                    arrival_time=parent.arrival_time,
+                    cache_salt=group.cache_salt,
+                )
+                child.parent_id, child.index = parent.request_id, slot
+                for earlier in parent.output_token_ids:
+                    child.append_output_token(earlier)
+                child.append_output_token(token)
+                requests[slot] = child
+                forks.append((parent, child))
+            for slot, token in step.continued.items():
+                request = requests[slot]
+                if request.request_id in sampled:  # computed this step
+                    sampled[request.request_id] = [token]
+                else:  # it waited (or was preempted): nothing of this step to record
+                    request.append_output_token(token)
+        return deltas
+
+    def _beam_outputs(self, group: _Group) -> list[CompletionDelta]:
+        """The n best hypotheses of a finished beam search, each as its sample's one and
+        last delta; the group is forgotten."""
+        assert group.beams is not None and group.first is not None
+        first = group.first
+        queued = first.first_scheduled_at
+        deltas = []
+        for index, hypothesis in enumerate(group.beams.best(group.params.n)):
+            text = SampleText(
+                self.tokenizer, group.prompt_token_ids, group.params, self.eos_token_ids
+            )
+            text.add([SampleResult(t, None, None) for t in hypothesis.token_ids], 0)
+            prompt_logprobs = None
+            if index == 0 and group.prompt_logprobs is not None:
+                prompt_logprobs = group.prompt_logprobs
+            deltas.append(
+                CompletionDelta(
+                    request_id=group.request_id,
+                    index=index,
+                    token_ids=hypothesis.token_ids,
+                    text=text.take(finished=True),
+                    logprobs=hypothesis.logprobs,
+                    finish_reason=hypothesis.finish_reason,
+                    prompt_tokens=len(group.prompt_token_ids),
+                    completion_tokens=len(hypothesis.token_ids),
+                    cached_tokens=first.num_cached_tokens,
+                    prompt_logprobs=prompt_logprobs,
+                    queue_time=None if queued is None else queued - first.arrival_time,
+                )
+            )
+        prompt_tokens = len(group.prompt_token_ids)
+        for index in range(len(deltas), group.params.n):  # never short of n, but never hang
+            deltas.append(CompletionDelta.aborted(group.request_id, index, prompt_tokens))
+        self._forget(group)
+        return deltas
 
     @staticmethod
     def _add_prompt_logprobs(group: _Group, first: int, entries: list[dict]) -> None:
@@ -480,5 +607,5 @@ class LLMEngine:
 
     def _forget(self, group: _Group) -> None:
         self._groups.pop(group.request_id, None)
-        for index in range(group.params.n):
+        for index in range(group.num_slots):
             self._owner.pop(sample_request_id(group.request_id, index), None)

@@ -98,6 +98,7 @@ def argmax_only(params: SamplingParams, num_output_tokens: int = 0) -> bool:
         and not has_penalties(params)
         and not has_logits_processors(params, num_output_tokens)
         and params.logprobs is None
+        and not params.use_beam_search  # beams rank every token's logprob
     )
 
 

@@ -15,6 +15,7 @@ FLOAT_FIELDS = (
     "repetition_penalty",
     "presence_penalty",
     "frequency_penalty",
+    "length_penalty",
 )
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
@@ -35,6 +36,13 @@ class SamplingParams:
     tokens are out, EOS and the stop token ids cannot be sampled and stop strings do not
     end the output (max_tokens still does). skip_special_tokens drops special tokens from the text;
     include_stop_str_in_output keeps the stop string (or stop token's text) that ended it.
+
+    use_beam_search runs a beam search of width best_of (default n) and returns the n
+    best finished hypotheses (beam_search.py). It is deterministic: temperature must be 0,
+    and top-k/top-p/min-p, penalties, stop strings and structured outputs are refused.
+    A hypothesis scores sum(logprobs) / len**length_penalty; early_stopping is
+    transformers': True stops once best_of hypotheses are finished, False once none can
+    beat them by the heuristic of the current length, "never" by the longest possible.
     """
 
     max_tokens: int = 16
@@ -58,6 +66,10 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    use_beam_search: bool = False
+    best_of: int | None = None  # beam width, with use_beam_search (at least n)
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         for name in FLOAT_FIELDS:
@@ -120,10 +132,45 @@ class SamplingParams:
             self.structured_output, StructuredOutput
         ):
             raise ValueError("structured_output must be a StructuredOutput")
+        self._check_beam_search()
+
+    def _check_beam_search(self) -> None:
+        if self.best_of is not None and (
+            not _is_int(self.best_of) or not self.n <= self.best_of <= MAX_N
+        ):
+            raise ValueError(f"best_of must be an integer in [n, {MAX_N}], got {self.best_of!r}")
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise ValueError(
+                f"early_stopping must be true, false or 'never', got {self.early_stopping!r}"
+            )
+        if not self.use_beam_search:
+            if self.best_of is not None and self.best_of != self.n:
+                raise ValueError("best_of is only supported with use_beam_search")
+            return
+        # Beam search is deterministic and scores the model's own log-probabilities.
+        refused = [
+            ("temperature", self.temperature != 0.0, "must be 0"),
+            ("top_p", self.top_p != 1.0, "must be 1"),
+            ("top_k", self.top_k not in (-1, 0), "must be -1"),
+            ("min_p", self.min_p != 0.0, "must be 0"),
+            ("repetition_penalty", self.repetition_penalty != 1.0, "must be 1"),
+            ("presence_penalty", self.presence_penalty != 0.0, "must be 0"),
+            ("frequency_penalty", self.frequency_penalty != 0.0, "must be 0"),
+            ("stop", bool(self.stop), "strings are not supported (use stop_token_ids)"),
+            ("structured_output", self.structured_output is not None, "is not supported"),
+        ]
+        for name, bad, why in refused:
+            if bad:
+                raise ValueError(f"{name} {why} with use_beam_search")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def beam_width(self) -> int:
+        """How many beams a beam search keeps (best_of, or n)."""
+        return self.best_of or self.n
 
 
 def _is_int(value: object) -> bool:

@@ -253,12 +253,18 @@ class Scheduler:
         each request whose chunk reached the end of its tokens: one sampled token, or for
         a request with a draft, the draft tokens it kept followed by one more (fewer where
         a stop came first). Finishes nobody: a request that reaches its max_tokens here
-        must be finished by the caller before the next step."""
+        must be finished by the caller before the next step.
+
+        An empty list keeps nothing yet (a beam waiting for the rest of its beam search,
+        beam_search.py): the request computes its last token again next step."""
         for item in output.scheduled:
             request, draft = item.request, item.draft_token_ids
             if request.status is not RequestStatus.RUNNING:
                 continue  # finished or aborted since schedule()
             request.num_computed_tokens += item.num_tokens - len(draft)
+            held = not draft and sampled.get(request.request_id) == []
+            if held and request.num_computed_tokens == request.num_tokens:
+                request.num_computed_tokens -= 1
             self.kv_cache.free_outside_window(request)  # blocks behind every layer's window
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk that does not reach the end samples nothing

@@ -221,8 +221,11 @@ class Speculator:
         step's own; [] for a prefill chunk."""
         # Not before the first output: the prompt's last token samples it, and a request
         # with n > 1 forks there.
+        # Nor for a beam: the beam search picks its tokens, not a draft's check.
         decoding = (
-            request.num_output_tokens > 0 and request.num_tokens - request.num_computed_tokens == 1
+            request.num_output_tokens > 0
+            and request.num_tokens - request.num_computed_tokens == 1
+            and not request.sampling_params.use_beam_search
         )
         if not decoding:
             return []
