@@ -30,7 +30,7 @@ class Case:
     """One architecture as served: its tiny model, context length and prompt lengths."""
 
     preset: str
-    features: frozenset[str]  # what its forward must use (and the executor not claim)
+    features: frozenset[str]  # what its forward must use
     max_model_len: int = 512
     prompt_lens: tuple[int, ...] = (5, 17, 40, 3, 29)
     prefix_len: int = 32  # of the prompts that share a prefix
@@ -148,8 +148,9 @@ def test_logits_match_transformers_across_chunks_and_decodes(
     path, hf = tiny
     loaded = load_model(str(path), "cpu", torch.float32, max_model_len=case.max_model_len)
     assert case.features <= loaded.config.features()
-    # The CPU executor serves a case whose every feature it implements (Qwen3's q/k norms);
-    # the others are left to the model's own forward. Both must give transformers' logits.
+    # The CPU executor serves a case whose every feature it implements (Qwen3's q/k norms,
+    # SmolLM3's NoPE layers, Phi-3's partial rotary and LongRoPE); the others are left to
+    # the model's own forward. Both must give transformers' logits.
     executor = cpu.prepare(copy.deepcopy(loaded.model), 16)
     if not cpu.supports(loaded.config):
         assert executor is None
@@ -178,6 +179,9 @@ def test_batched_greedy_matches_transformers(
 ) -> None:
     path, _ = tiny
     llm = LLM(model=str(path), max_model_len=case.max_model_len, kv_cache_memory=16 * 2**20)
+    executor = llm.engine.runner.executor
+    if cpu.supports(llm.engine.runner.model.config) and torch_ops.compiled_kernels():
+        assert executor is not None and executor.active  # the engine's steps run on it
     outputs = llm.generate(prompts_of(case), GREEDY)
     for out in outputs:
         assert out.outputs[0].token_ids == hf_reference[tuple(out.prompt_token_ids)]
@@ -209,6 +213,28 @@ def test_preemption_keeps_greedy_output_identical(
     assert stats.num_preemptions > 0
     for out in outputs:
         assert out.outputs[0].token_ids == hf_reference[tuple(out.prompt_token_ids)]
+    assert stats.kv.used == 0
+
+
+def test_speculative_decoding_keeps_greedy_output_identical(
+    case: Case, tiny: tuple[Path, Any], hf_reference: dict[tuple[int, ...], list[int]]
+) -> None:
+    """N-gram drafts, every one checked (passes priced far above their rows): a draft's
+    rows go through the verify path, and what is kept is what transformers' greedy
+    decoding gives."""
+    path, _ = tiny
+    llm = LLM(
+        model=str(path),
+        max_model_len=case.max_model_len,
+        kv_cache_memory=16 * 2**20,
+        num_speculative_tokens=4,
+        speculative_pass_rows=1000,
+    )
+    outputs = llm.generate(prompts_of(case), GREEDY)
+    for out in outputs:
+        assert out.outputs[0].token_ids == hf_reference[tuple(out.prompt_token_ids)]
+    stats = llm.engine.stats()
+    assert stats.draft_tokens > 0
     assert stats.kv.used == 0
 
 
