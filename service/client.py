@@ -40,6 +40,13 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         message.seed = params.seed
     if params.logprobs is not None:
         message.logprobs = params.logprobs
+    if params.use_beam_search:
+        message.beam_search.SetInParent()
+        if params.best_of is not None:
+            message.beam_search.best_of = params.best_of
+        message.beam_search.length_penalty = params.length_penalty
+        stopping = {False: 0, True: 2, "never": 3}[params.early_stopping]
+        message.beam_search.early_stopping = stopping
     return message
 
 

@@ -247,6 +247,10 @@ def configure_logging(level: str = "INFO") -> None:
 
 # ------------------------------------------------------------- proto conversion
 
+# The proto's EarlyStopping values as SamplingParams.early_stopping (transformers' values).
+EARLY_STOPPING = {0: False, 1: False, 2: True, 3: "never"}
+BEAM_SEARCH_FIELDS = ("best_of", "length_penalty", "early_stopping")
+
 
 def sampling_params_from_proto(message: Any) -> SamplingParams:
     """A SamplingParams from its proto; unset optional fields keep the defaults.
@@ -271,10 +275,24 @@ def sampling_params_from_proto(message: Any) -> SamplingParams:
     kwargs["include_stop_str_in_output"] = message.include_stop_str_in_output
     if message.HasField("structured_output"):
         kwargs["structured_output"] = structured_output_from_proto(message.structured_output)
+    if message.HasField("beam_search"):
+        beam = message.beam_search
+        kwargs["use_beam_search"] = True
+        kwargs.setdefault("temperature", 0.0)  # deterministic, unless a client asks otherwise
+        if beam.HasField("best_of"):
+            kwargs["best_of"] = beam.best_of
+        if beam.HasField("length_penalty"):
+            kwargs["length_penalty"] = beam.length_penalty
+        if beam.early_stopping not in EARLY_STOPPING:
+            raise ValueError(
+                f"sampling.beam_search.early_stopping: unknown value {beam.early_stopping}"
+            )
+        kwargs["early_stopping"] = EARLY_STOPPING[beam.early_stopping]
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:
-        raise ValueError(f"sampling.{exc}") from None
+        where = "beam_search." if str(exc).split(" ", 1)[0] in BEAM_SEARCH_FIELDS else ""
+        raise ValueError(f"sampling.{where}{exc}") from None
 
 
 def structured_output_from_proto(message: Any) -> StructuredOutput:

@@ -155,6 +155,11 @@ def start_chat(state: ServingState, request: ChatCompletionRequest) -> ChatJob:
         engine, request, sampling_params(request, max_tokens, logprobs, request.prompt_logprobs)
     )
     if tools is not None and tools.output is not None:
+        if params.use_beam_search:
+            raise bad_request(
+                "tool_choice required or a named function is not supported with use_beam_search",
+                "tool_choice",
+            )
         if params.structured_output is not None:
             raise bad_request(
                 "tool_choice required or a named function cannot be combined with a "

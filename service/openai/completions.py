@@ -79,8 +79,6 @@ def start_completion(state: ServingState, request: CompletionRequest) -> Complet
     state.check_model(request.model)
     if request.suffix is not None:
         raise bad_request("suffix is not supported", "suffix")
-    if request.best_of is not None and request.best_of != request.n:
-        raise bad_request("best_of is not supported; use n", "best_of")
     prompts = parse_prompts(engine, request.prompt)
     requested = request.max_tokens
     if requested is None:

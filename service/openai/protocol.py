@@ -66,6 +66,11 @@ class SamplingFields(Strict):
     include_stop_str_in_output: bool = False
     # Sent by vLLM's clients; fast tokenizers join special tokens as they are.
     spaces_between_special_tokens: bool = True
+    # vLLM's beam search: the n best of best_of beams (pagedinfer.service.beam_search).
+    use_beam_search: bool = False
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     @field_validator("stop")
     @classmethod
@@ -135,7 +140,6 @@ class CompletionRequest(SamplingFields, GuidedFields):
     max_completion_tokens: int | None = Field(None, ge=0)  # an alias some clients send
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
 
     @field_validator("prompt", mode="plain")

@@ -158,6 +158,8 @@ def sampling_params(
         value = getattr(request, name)
         if value is not None:
             kwargs[name] = value
+    if request.use_beam_search:
+        kwargs.setdefault("temperature", 0.0)  # deterministic; vLLM's default too
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -171,6 +173,10 @@ def sampling_params(
             min_tokens=request.min_tokens,
             skip_special_tokens=request.skip_special_tokens,
             include_stop_str_in_output=request.include_stop_str_in_output,
+            use_beam_search=request.use_beam_search,
+            best_of=request.best_of,
+            length_penalty=request.length_penalty,
+            early_stopping=request.early_stopping,
             **kwargs,
         )
     except ValueError as exc:  # the messages start with the field's name
@@ -182,6 +188,9 @@ def refuse_unsupported(request: SamplingFields) -> None:
     """400 for fields accepted for compatibility whose value asks for what is not served."""
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if request.use_beam_search and request.stream:
+        # The beams that lead change until the search ends: there is nothing to stream.
+        raise bad_request("stream is not supported with use_beam_search", "stream")
 
 
 def check_stop_token_ids(request: SamplingFields, vocab_size: int) -> None:

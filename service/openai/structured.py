@@ -115,5 +115,7 @@ def constrained(
     if found is None:
         return params
     output, param = found
+    if params.use_beam_search:
+        raise bad_request(f"{param} is not supported with use_beam_search", param)
     check_output(engine, output, param)
     return dataclasses.replace(params, structured_output=output)

@@ -268,3 +268,136 @@ def test_the_search_waits_for_every_live_beam_before_advancing():
         search.advance()
     search.propose(0, logits)
     assert search.ready()
+
+
+# -- the APIs ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(tiny, tmp_path_factory):
+    """`pagedinfer serve` of the tiny model: gRPC and the HTTP API in one process."""
+    from test_server import start_server, stop_server
+
+    server = start_server(tmp_path_factory.mktemp("serve-beams"), "--model", tiny,
+                          "--max-model-len", "256")  # fmt: skip
+    yield server
+    stop_server(server)
+
+
+def post(server, path: str, body: dict) -> tuple[int, dict]:
+    import http.client
+    import json
+
+    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=120)
+    connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    return response.status, json.loads(response.read())
+
+
+BEAMS = dict(max_tokens=10, n=2, best_of=3, ignore_eos=True, length_penalty=0.5)
+
+
+def offline(llm: LLM, prompt: list[int]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, use_beam_search=True, **BEAMS)
+    return [o.token_ids for o in llm.generate([prompt], params)[0].outputs]
+
+
+@pytest.mark.slow
+def test_http_completions_and_chat_take_vllms_beam_fields(served, llm):
+    prompt = PROMPTS[1]
+    status, body = post(served, "/v1/completions",
+                        {"prompt": prompt, "use_beam_search": True, **BEAMS})  # fmt: skip
+    assert status == 200, body
+    want = [llm.tokenizer.decode(t, skip_special_tokens=True) for t in offline(llm, prompt)]
+    assert [c["text"] for c in sorted(body["choices"], key=lambda c: c["index"])] == want
+    assert body["usage"]["completion_tokens"] == 2 * BEAMS["max_tokens"]
+    messages = [{"role": "user", "content": "Name three colours."}]
+    status, body = post(served, "/v1/chat/completions",
+                        {"messages": messages, "use_beam_search": True, "n": 2, "best_of": 4,
+                         "max_tokens": 6, "early_stopping": "never"})  # fmt: skip
+    assert status == 200, body
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert all(c["finish_reason"] in ("stop", "length") for c in body["choices"])
+    served.wait_all_blocks_free()
+
+
+BAD_HTTP = [
+    ("stream", {"stream": True}, "stream"),
+    ("sampling temperature", {"temperature": 0.8}, "temperature"),
+    ("top_p", {"top_p": 0.9}, "top_p"),
+    ("stop strings", {"stop": ["."]}, "stop"),
+    ("best_of below n", {"n": 3, "best_of": 2}, "best_of"),
+    ("early_stopping", {"early_stopping": "sometimes"}, "early_stopping"),
+    ("length_penalty", {"length_penalty": "long"}, "length_penalty"),
+    ("structured output", {"response_format": {"type": "json_object"}}, "response_format"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("fields", "param"), [b[1:] for b in BAD_HTTP],
+                         ids=[b[0] for b in BAD_HTTP])  # fmt: skip
+def test_bad_http_beam_search_requests_are_400_naming_the_field(served, fields, param):
+    for path, base in (
+        ("/v1/completions", {"prompt": "Hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ):
+        status, body = post(served, path, {**base, "use_beam_search": True, "max_tokens": 4,
+                                           **fields})  # fmt: skip
+        assert status == 400, (path, body)
+        assert param in (body["error"]["param"] or ""), (path, body)
+    status, body = post(served, "/v1/completions", {"prompt": "Hi", "best_of": 3})
+    assert status == 400 and body["error"]["param"] == "best_of", body
+
+
+@pytest.mark.slow
+def test_grpc_beam_search_field(served, llm):
+    import grpc
+
+    from pagedinfer.service.proto import inference_pb2 as pb
+
+    prompt = PROMPTS[2]
+    sampling = pb.SamplingParams(
+        max_tokens=BEAMS["max_tokens"], n=2, ignore_eos=True,
+        beam_search=pb.BeamSearch(best_of=3, length_penalty=BEAMS["length_penalty"]),
+    )  # fmt: skip
+    responses = list(served.generate(prompt_token_ids=prompt, sampling=sampling))
+    tokens = {r.index: list(r.token_ids) for r in responses}
+    assert [tokens[0], tokens[1]] == offline(llm, prompt)
+    assert {r.finish_reason for r in responses} == {pb.LENGTH}
+    stopping = pb.BeamSearch(early_stopping=pb.EARLY_STOPPING_FIRST)
+    done = list(served.generate(prompt_token_ids=prompt, sampling=pb.SamplingParams(
+        max_tokens=4, beam_search=stopping)))  # fmt: skip
+    assert len(done) == 1 and done[0].finish_reason in (pb.STOP, pb.LENGTH)
+    for sampling, field in (
+        (pb.SamplingParams(temperature=0.5, beam_search=pb.BeamSearch()), "sampling.temperature"),
+        (pb.SamplingParams(n=3, beam_search=pb.BeamSearch(best_of=2)),
+         "sampling.beam_search.best_of"),
+        (pb.SamplingParams(beam_search=pb.BeamSearch(early_stopping=9)),
+         "sampling.beam_search.early_stopping"),
+        (pb.SamplingParams(stop=["x"], beam_search=pb.BeamSearch()), "sampling.stop"),
+    ):  # fmt: skip
+        with pytest.raises(grpc.RpcError) as err:
+            list(served.generate(prompt_token_ids=prompt, sampling=sampling))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith(field), err.value.details()
+    served.wait_all_blocks_free()
+
+
+def test_beam_params_round_trip_through_the_proto():
+    from pagedinfer.service.client import sampling_params_to_proto
+    from pagedinfer.service.proto import inference_pb2 as pb
+    from pagedinfer.service.server import sampling_params_from_proto
+
+    for stopping in (False, True, "never"):
+        params = SamplingParams(
+            temperature=0.0,
+            use_beam_search=True,
+            n=2,
+            best_of=5,
+            length_penalty=0.6,
+            early_stopping=stopping,
+            max_tokens=9,
+        )
+        wire = pb.SamplingParams.FromString(sampling_params_to_proto(params).SerializeToString())
+        assert sampling_params_from_proto(wire) == params
+    assert not sampling_params_from_proto(pb.SamplingParams()).use_beam_search

@@ -112,11 +112,15 @@ def test_messages_have_the_contract_fields():
 # Sampling fields only the HTTP API serves: its `echo` returns prompt logprobs, which
 # the gRPC response has no field for.
 HTTP_ONLY_FIELDS = {"prompt_logprobs"}
+# Beam search is one message on the wire: set means use_beam_search.
+BEAM_FIELDS = {"best_of", "length_penalty", "early_stopping"}
 
 
 def test_sampling_params_message_mirrors_the_dataclass():
     python_fields = {f.name for f in dataclasses.fields(SamplingParams)} - HTTP_ONLY_FIELDS
-    assert set(pb.SamplingParams.DESCRIPTOR.fields_by_name) == python_fields
+    wire = set(pb.SamplingParams.DESCRIPTOR.fields_by_name) - {"beam_search"}
+    assert wire | BEAM_FIELDS | {"use_beam_search"} == python_fields
+    assert set(pb.BeamSearch.DESCRIPTOR.fields_by_name) == BEAM_FIELDS
 
 
 def test_sampling_params_round_trip_through_the_proto():
