@@ -1,5 +1,5 @@
-"""Beam search's decisions, apart from blocks and requests (docs/architecture.md, "Beam
-search").
+"""Beam search's decisions, apart from blocks and requests (docs/architecture.md,
+section 2).
 
 The engine runs every live beam as a scheduler request; beams fork from each other with
 copy-on-write, so they share their prefix blocks. This module decides what they do:
