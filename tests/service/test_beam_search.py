@@ -14,6 +14,7 @@ import torch
 
 from pagedinfer.service import LLM, SamplingParams
 from pagedinfer.service.beam_search import BeamSearch
+from pagedinfer.service.request import RequestStatus
 
 PROMPTS = [
     [1, 504, 3458, 282, 4649, 314],
@@ -401,3 +402,43 @@ def test_beam_params_round_trip_through_the_proto():
         wire = pb.SamplingParams.FromString(sampling_params_to_proto(params).SerializeToString())
         assert sampling_params_from_proto(wire) == params
     assert not sampling_params_from_proto(pb.SamplingParams()).use_beam_search
+
+
+def test_a_beam_preempted_after_it_proposed_still_gives_the_same_hypotheses(tiny, llm, monkeypatch):
+    """One beam is preempted after it proposed, while a sibling still recomputes its
+    prompt in chunks: the search advances without it (it keeps its token, or its fork
+    recomputes from scratch) and the hypotheses are those of an undisturbed run."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, use_beam_search=True, n=3,
+                            ignore_eos=True)  # fmt: skip
+    want = [o.token_ids for o in llm.generate([LONG_PROMPT], params)[0].outputs]
+    chunked = LLM(tiny, dtype="float32", max_model_len=128, num_gpu_blocks=64,
+                  max_num_batched_tokens=16)  # fmt: skip
+    engine, scheduler = chunked.engine, chunked.engine.scheduler
+    request_id = engine.add_request(LONG_PROMPT, params)
+    group = engine._groups[request_id]
+    while len(group.beam_requests) < 3 or group.beams.num_generated < 3:
+        engine.step()
+    # Send the last beam back to the queue: it recomputes its whole sequence in chunks.
+    lagging = scheduler.running[-1]
+    scheduler._preempt_last()
+    engine.step()  # the others propose and wait; the lagging beam starts over
+    proposed = [r for r in group.beam_requests.values() if r.index in group.beams.proposals]
+    assert lagging.index not in group.beams.proposals and proposed
+    # Preempt a beam that proposed: the search must advance without computing it again.
+    waiting = proposed[0]
+    scheduler.running.remove(waiting)
+    scheduler.running.append(waiting)
+    scheduler._preempt_last()
+    # Admit nobody until the search advanced: it advances past a beam in the queue.
+    generated = group.beams.num_generated
+    monkeypatch.setattr(scheduler.config, "max_num_seqs", len(scheduler.running))
+    while group.beams.num_generated == generated:
+        engine.step()
+    assert waiting.is_finished or waiting.status is RequestStatus.WAITING
+    monkeypatch.undo()
+    outputs = {}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            outputs[delta.index] = outputs.get(delta.index, []) + delta.token_ids
+    assert [outputs[i] for i in range(3)] == want
+    assert engine.stats().kv.used == 0
