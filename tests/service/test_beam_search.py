@@ -442,3 +442,45 @@ def test_a_beam_preempted_after_it_proposed_still_gives_the_same_hypotheses(tiny
             outputs[delta.index] = outputs.get(delta.index, []) + delta.token_ids
     assert [outputs[i] for i in range(3)] == want
     assert engine.stats().kv.used == 0
+
+
+@pytest.fixture(scope="module")
+def embedded(tiny):  # `tiny` keeps the torch kernels on: nothing compiles
+    from transformers import AutoModelForCausalLM
+
+    from pagedinfer.service.loader import ensure_default_model
+
+    llm = LLM(max_model_len=256, num_gpu_blocks=64, dtype="float32")
+    hf = AutoModelForCausalLM.from_pretrained(ensure_default_model(), dtype=torch.float32)
+    return llm, hf.eval()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("early_stopping", "length_penalty"), [(False, 1.0), (True, 1.0), ("never", 0.5)]
+)
+def test_the_embedded_models_beams_end_at_eos_as_transformers_beams_do(
+    embedded, early_stopping, length_penalty
+):
+    """A real model ends its hypotheses with EOS, so the end-of-search rules decide."""
+    llm, hf = embedded
+    question = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    prompt = llm.tokenizer.encode(question)
+    params = SamplingParams(temperature=0.0, use_beam_search=True, n=3, best_of=4, max_tokens=24,
+                            early_stopping=early_stopping, length_penalty=length_penalty)  # fmt: skip
+    outputs = llm.generate([prompt], params)[0].outputs
+    eos = sorted(llm.engine.eos_token_ids)
+    with torch.inference_mode():
+        reference = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=24, do_sample=False, num_beams=4, num_return_sequences=3,
+            early_stopping=early_stopping, length_penalty=length_penalty,
+            eos_token_id=eos, pad_token_id=eos[0],
+        )  # fmt: skip
+    for output, row in zip(outputs, reference[:, len(prompt) :].tolist(), strict=True):
+        ends = [i for i, t in enumerate(row) if t in eos]
+        assert output.token_ids == (row[: ends[0] + 1] if ends else row)
+        assert output.finish_reason == ("stop" if ends else "length")
+    assert any(o.finish_reason == "stop" for o in outputs)
+    assert "Paris" in outputs[0].text
