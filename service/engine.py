@@ -13,11 +13,10 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 
-import numpy as np
 import torch
 
 from pagedinfer.service import dtypes, prompts, spec_decode
@@ -38,7 +37,14 @@ from pagedinfer.service.sampler import (
 )
 from pagedinfer.service.sampling_params import SamplingParams
 from pagedinfer.service.scheduler import Scheduler, SchedulerOutput, SchedulerStats
-from pagedinfer.service.structured_output import GrammarCompiler, GrammarMatcher, apply_masks
+from pagedinfer.service.structured_output import (
+    GrammarCompiler,
+    GrammarMatcher,
+    MaskJob,
+    MaskPipeline,
+    RowMask,
+    apply_row_masks,
+)
 from pagedinfer.service.threads import configure_cpu_threads
 
 log = logging.getLogger(__name__)
@@ -153,8 +159,8 @@ class LLMEngine:
             self.scheduler.kv_cache.enable_events()
         self.sampler = Sampler(self.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        # Fills grammar masks while the model's forward runs (llguidance drops the GIL).
-        self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="pagedinfer-grammar")
+        # Advances grammars and fills their masks on a worker, one step ahead.
+        self._masks = MaskPipeline(self.vocab_size)
         self._groups: dict[str, _Group] = {}
         # Every sample's id, forked or not yet, -> its group's id: ids never clash.
         self._owner: dict[str, str] = {}
@@ -328,6 +334,7 @@ class LLMEngine:
         checked: list[tuple[_Group, int, NewTokens]] = []
         sampled: dict[str, list[int]] = {}
         forks: list[tuple[Request, Request]] = []
+        moves: list[MaskJob] = []  # grammars to advance over what their samples kept
         beam_rows, first_row = [], 0
         for req, num_rows in zip(model_out.requests, model_out.num_rows, strict=True):
             group = self._groups[self._owner[req.request_id]]
@@ -344,11 +351,15 @@ class LLMEngine:
                 kept = group.samples[index].text.add(picks, 0)
                 child.append_output_token(kept.token_ids[0])
                 forks.append((req, child))
-            grammar = group.samples[index].grammar
-            if grammar is not None and not grammar.accept(kept.token_ids):
-                log.warning("request %s: its grammar refused a kept token", req.request_id)
+            sample = group.samples[index]
+            if sample.grammar is not None and kept.finish_reason is None:
+                # Output tokens once these are kept (a fork's first is in already).
+                done = sample.request.num_output_tokens
+                done += len(kept.token_ids) if index == req.index else 0
+                moves.append((sample.request.request_id, sample.grammar, kept.token_ids, done))
             checked.append((group, index, kept))
         beam_deltas = self._step_beams(beam_rows, sampled, forks)
+        self._masks.advance(moves)  # on the worker, while this step's end and the next run
         self.scheduler.update_from_output(out, sampled)
         for parent, child in forks:
             if parent.status is RequestStatus.RUNNING:
@@ -367,10 +378,10 @@ class LLMEngine:
         return deltas
 
     def _start_masks(self, out: SchedulerOutput) -> Future | None:
-        """The grammar masks of the constrained requests sampled this step, filled on the
-        worker thread: request id -> int32 [1 + draft length, words], row j after the
-        draft's first j tokens."""
-        jobs = []
+        """The grammar masks of the constrained requests sampled this step, from the
+        worker (`MaskPipeline.start`): request id -> a `RowMask` per row, row j after
+        the draft's first j tokens."""
+        jobs: list[MaskJob] = []
         for s in out.scheduled:
             req = s.request
             group = self._groups.get(self._owner.get(req.request_id, ""))
@@ -379,18 +390,9 @@ class LLMEngine:
                 s.draft_token_ids
             )
             if sample is not None and sample.grammar is not None and reaches_end:
-                jobs.append((req.request_id, sample.grammar, list(s.draft_token_ids)))
-        if not jobs:
-            return None
-
-        def fill() -> dict[str, np.ndarray]:
-            masks = {}
-            for request_id, grammar, draft in jobs:
-                masks[request_id] = np.empty((1 + len(draft), grammar.words), dtype=np.int32)
-                grammar.fill_with_draft(masks[request_id], draft)
-            return masks
-
-        return self._mask_worker.submit(fill)
+                draft = list(s.draft_token_ids)
+                jobs.append((req.request_id, sample.grammar, draft, req.num_output_tokens))
+        return self._masks.start(jobs)
 
     def _sample(
         self,
@@ -404,7 +406,7 @@ class LLMEngine:
         grammar_masks = {} if masks is None else masks.result()
         if all(self._groups[self._owner[r.request_id]].beams for r in model_out.requests):
             return {}
-        masked: list[tuple[int, np.ndarray]] = []  # (row of `rows`, its bitmask row)
+        masked: list[tuple[int, RowMask]] = []  # (row of `rows`, its mask)
         rows: list[SamplingRow] = []
         owners: list[tuple[int, Request, int]] = []  # (logits row, request, sample index)
         checkpoints: dict[Request, spec_decode.GeneratorCheckpoint] = {}
@@ -437,8 +439,7 @@ class LLMEngine:
             index = [i for i, *_ in owners]
             logits = logits[index]
             tokens = None if tokens is None else tokens[index]
-        if masked:
-            apply_masks(logits, [i for i, _ in masked], np.stack([m for _, m in masked]))
+        apply_row_masks(logits, masked)
         results = self.sampler(logits, rows, tokens)
         for i, _ in masked:  # the tokens a grammar forbids are no likely alternative
             top = results[i].top_logprobs
@@ -557,6 +558,8 @@ class LLMEngine:
         text = SampleText(self.tokenizer, group.prompt_token_ids, group.params, self.eos_token_ids)
         spec = group.params.structured_output
         grammar = None if spec is None else self.grammars.matcher(spec)
+        if grammar is not None and index == 0:  # forks start from the first one's mask
+            self._masks.advance([(request.request_id, grammar, (), 0)])
         return _Sample(request, make_generator(group.params.seed, index), text, grammar)
 
     def _child(self, parent: Request, group: _Group, index: int) -> Request:
@@ -607,5 +610,6 @@ class LLMEngine:
 
     def _forget(self, group: _Group) -> None:
         self._groups.pop(group.request_id, None)
+        self._masks.forget([s.request.request_id for s in group.samples.values()])
         for index in range(group.num_slots):
             self._owner.pop(sample_request_id(group.request_id, index), None)

@@ -3,11 +3,13 @@
 A request names what its output must match (`StructuredOutput`: a JSON schema, a regex,
 a list of choices or a Lark/GBNF grammar). `GrammarCompiler`, one per tokenizer, turns
 it into an llguidance grammar, checks it once (cached per spec) and gives each sample
-its own `GrammarMatcher`. Before sampling, the engine fills each constrained row's
-bitmask of allowed next tokens (on a worker thread while the model's forward runs:
-llguidance releases the GIL) and the disallowed logits become -inf, so every sampling
-path (greedy, top-k/top-p/min-p, seeds, n > 1) picks only tokens the grammar allows,
-and logprobs are those of the masked distribution. Draft rows of speculative decoding
+its own `GrammarMatcher`. Each constrained row gets a mask of its allowed next tokens
+and the disallowed logits become -inf before sampling, so every sampling path (greedy,
+top-k/top-p/min-p, seeds, n > 1) picks only tokens the grammar allows, and logprobs are
+those of the masked distribution. `MaskPipeline` keeps that work off the engine's
+critical path: a sample's matcher advances over the tokens it kept at step t and fills
+its mask for step t + 1 on a worker thread, while the engine streams step t's output and
+schedules and runs step t + 1's forward (llguidance releases the GIL). Draft rows of speculative decoding
 are masked at the state after the draft tokens before them, so a draft token the
 grammar forbids is never kept. A sample's matcher consumes exactly the tokens the
 sample keeps; preemption keeps a request's output tokens, so the matcher stays right.
@@ -20,13 +22,17 @@ fuel limits (deterministic counts, not timings), the spec's size and its nesting
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 Kind = Literal["json", "regex", "choice", "grammar"]
 KINDS: tuple[str, ...] = ("json", "regex", "choice", "grammar")
@@ -112,6 +118,13 @@ class GrammarMatcher:
         words = row.view(np.uint32)
         for token in self._eos:
             words[token // 32] |= np.uint32(1 << (token % 32))
+
+    def row_masks(self, draft: Sequence[int], vocab: int) -> list[RowMask]:
+        """The masks of a row and of its draft's rows (`fill_with_draft`), ready to apply
+        to logits `vocab` wide."""
+        rows = np.empty((1 + len(draft), self.words), dtype=np.int32)
+        self.fill_with_draft(rows, draft)
+        return [RowMask.from_bits(row, vocab) for row in rows]
 
     def fill_with_draft(self, rows: np.ndarray, draft: Sequence[int]) -> None:
         """rows [1 + len(draft), words]: row j is the mask after draft[:j]. Rows after a
@@ -299,39 +312,138 @@ def _depth(value: Any) -> int:
     return deepest
 
 
+@dataclass(frozen=True)
+class RowMask:
+    """One logits row's mask as the smaller side of its bitmask: the token ids it allows
+    (every other logit becomes -inf) or the ids it forbids. Applying it touches only
+    those ids; a masked fill over every element costs far more, as its branches follow
+    the mask's irregular pattern. Found from the bitmask's 32-bit words."""
+
+    allowed: bool  # ids are the allowed tokens; otherwise the forbidden ones
+    ids: np.ndarray  # int32
+    width: int  # tokens at or past it are forbidden (the bitmask's bits)
+
+    @classmethod
+    def from_bits(cls, bits: np.ndarray, vocab: int) -> RowMask:
+        """bits: int32 [words], bit t (of word t // 32, from the lowest) allows token t."""
+        words = bits.view(np.uint32)
+        if hasattr(np, "bitwise_count"):  # numpy 2
+            count = int(np.bitwise_count(words).sum())
+        else:
+            count = int(np.unpackbits(words.view(np.uint8)).sum())
+        width = 32 * len(words)
+        if 2 * count < vocab:
+            return cls(True, _tokens(words, np.flatnonzero(words), vocab), width)
+        inverted = ~words
+        return cls(False, _tokens(inverted, np.flatnonzero(inverted), vocab), width)
+
+    def apply(self, row: np.ndarray) -> None:
+        """Set the forbidden logits of `row` (float32 [vocab]) to -inf, in place."""
+        if self.allowed:
+            kept = row[self.ids]
+            row.fill(-np.inf)
+            row[self.ids] = kept
+        else:
+            row[self.width :] = -np.inf
+            row[self.ids] = -np.inf
+
+
+def apply_row_masks(logits: Any, masked: Sequence[tuple[int, RowMask]]) -> None:
+    """Apply each (logits row, its mask) in place (logits: a contiguous float32 CPU torch
+    tensor [num_rows, vocab])."""
+    view = logits.detach().numpy()
+    for row, mask in masked:
+        mask.apply(view[row])
+
+
 def apply_masks(logits: Any, rows: Sequence[int], bitmask: np.ndarray) -> None:
     """Set to -inf, in place, the logits of tokens bitmask row i forbids in logits row
-    rows[i] (logits: a contiguous float32 CPU torch tensor [num_rows, vocab]; tokens past
-    the mask's width are forbidden).
+    rows[i] (tokens past the mask's width are forbidden)."""
+    vocab = logits.shape[1]
+    masks = [RowMask.from_bits(bits, vocab) for bits in bitmask]
+    apply_row_masks(logits, list(zip(rows, masks, strict=True)))
 
-    Each row touches only the smaller side of its mask, found from the mask's 32-bit
-    words: the forbidden tokens, or, where most are forbidden, the whole row filled and
-    its allowed logits put back. A masked fill over every element costs far more: its
-    branches follow the mask's irregular pattern."""
-    view = logits.detach().numpy()
-    vocab = view.shape[1]
-    words = bitmask.view(np.uint32)
-    if hasattr(np, "bitwise_count"):  # numpy 2
-        counts = np.bitwise_count(words).sum(axis=1)
-    else:
-        counts = np.unpackbits(bitmask.view(np.uint8), axis=1).sum(axis=1)
-    for i, row in enumerate(rows):
-        view[row, words.shape[1] * 32 :] = -np.inf
-        if 2 * int(counts[i]) < vocab:
-            allowed = _tokens(words[i], np.flatnonzero(words[i]), vocab)
-            kept = view[row, allowed]
-            view[row].fill(-np.inf)
-            view[row, allowed] = kept
-        else:
-            inverted = ~words[i]
-            view[row, _tokens(inverted, np.flatnonzero(inverted), vocab)] = -np.inf
+
+# (sample id, its matcher, tokens, output tokens): see MaskPipeline.
+MaskJob = tuple[str, GrammarMatcher, Sequence[int], int]
+
+
+class MaskPipeline:
+    """Grammar work one step ahead of sampling, on one worker thread.
+
+    The masks of step t + 1 depend on the tokens sampled at step t, known only after
+    step t's forward. As soon as the engine knows them, `advance` hands them to the
+    worker, which moves each matcher over its kept tokens and prepares the mask of its
+    next token (a `RowMask`, ready to apply) while the engine streams step t's deltas
+    and schedules, prepares and runs step t + 1's forward. `start` then only collects
+    those masks; what could not be prepared ahead (draft rows, known once a step is
+    scheduled) is filled during that step's forward. The worker runs jobs in the order
+    they were given, and a matcher is only ever touched there, so a mask always follows
+    every token its sample kept before it.
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="pagedinfer-grammar")
+        # sample id -> (output tokens its matcher will have consumed, the job's result)
+        self._ahead: dict[str, tuple[int, Future[dict[str, RowMask]]]] = {}
+
+    def advance(self, jobs: Sequence[MaskJob]) -> None:
+        """Per (sample id, matcher, tokens it kept, its output tokens after them): on
+        the worker, consume the tokens and prepare the next mask."""
+        if not jobs:
+            return
+        vocab = self.vocab_size
+
+        def run() -> dict[str, RowMask]:
+            ready = {}
+            for sample_id, matcher, tokens, _ in jobs:
+                if not matcher.accept(tokens):
+                    log.warning("request %s: its grammar refused a kept token", sample_id)
+                (ready[sample_id],) = matcher.row_masks((), vocab)
+            return ready
+
+        future = self._worker.submit(run)
+        for sample_id, _, _, position in jobs:
+            self._ahead[sample_id] = (position, future)
+
+    def start(self, jobs: Sequence[MaskJob]) -> Future[dict[str, list[RowMask]]] | None:
+        """The masks of the samples sampled this step, per (sample id, matcher, draft
+        tokens, its output tokens so far): sample id -> the masks of its 1 + len(draft)
+        rows, row j after the draft's first j tokens. Masks prepared ahead for that many
+        output tokens are taken as they are; the rest are filled now."""
+        if not jobs:
+            return None
+        ahead: dict[str, Future[dict[str, RowMask]]] = {}
+        fresh: list[tuple[str, GrammarMatcher, Sequence[int]]] = []
+        for sample_id, matcher, draft, position in jobs:
+            prepared = self._ahead.pop(sample_id, None)
+            if prepared is not None and prepared[0] == position and not draft:
+                ahead[sample_id] = prepared[1]
+            else:
+                fresh.append((sample_id, matcher, draft))
+        vocab = self.vocab_size
+
+        def run() -> dict[str, list[RowMask]]:
+            # Jobs run in order: the ones prepared ahead are done by now.
+            masks = {sample_id: [future.result()[sample_id]] for sample_id, future in ahead.items()}
+            for sample_id, matcher, draft in fresh:
+                masks[sample_id] = matcher.row_masks(draft, vocab)
+            return masks
+
+        return self._worker.submit(run)
+
+    def forget(self, sample_ids: Sequence[str]) -> None:
+        """Drop what was prepared for samples that will not be sampled again."""
+        for sample_id in sample_ids:
+            self._ahead.pop(sample_id, None)
 
 
 def _tokens(words: np.ndarray, at: np.ndarray, vocab: int) -> np.ndarray:
     """The token ids of the set bits of words[at] (below vocab)."""
     bits = np.unpackbits(words[at].view(np.uint8), bitorder="little").reshape(len(at), 32)
     ids = (at[:, None] * 32 + np.arange(32))[bits.astype(bool)]
-    return ids[ids < vocab]
+    return ids[ids < vocab].astype(np.int32)
 
 
 @lru_cache(maxsize=1)

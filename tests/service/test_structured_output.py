@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
 import numpy as np
@@ -15,6 +16,8 @@ from pagedinfer.service import LLM, SamplingParams
 from pagedinfer.service.structured_output import (
     GrammarCompiler,
     GrammarError,
+    GrammarMatcher,
+    MaskPipeline,
     StructuredOutput,
     apply_masks,
 )
@@ -87,6 +90,66 @@ def test_masks_follow_the_draft_and_stop_at_a_forbidden_token(llm, compiler):
     assert allowed[len(no)] == set(compiler.eos_token_ids)  # after "no": only the end
     assert len(allowed[-1]) == compiler.vocab_size  # past the forbidden token: never kept
     assert matcher.accept(no)  # the draft was rolled back: the matcher starts over
+
+
+def allowed_tokens(masks, vocab: int) -> list[set[int]]:
+    logits = torch.zeros(len(masks), vocab)
+    for row, mask in enumerate(masks):
+        mask.apply(logits[row].numpy())
+    return [set(torch.isfinite(row).nonzero().flatten().tolist()) for row in logits]
+
+
+def test_the_next_mask_is_prepared_ahead_on_the_worker(llm, compiler, monkeypatch):
+    tok = llm.engine.tokenizer
+    no = tok.encode("no", add_special_tokens=False)
+    pipeline = MaskPipeline(compiler.vocab_size)
+    matcher = compiler.matcher(StructuredOutput.choice(["yes", "no"]))
+    threads: list[str] = []
+    fill = GrammarMatcher.fill
+    monkeypatch.setattr(
+        GrammarMatcher,
+        "fill",
+        lambda self, row: threads.append(threading.current_thread().name) or fill(self, row),
+    )
+    pipeline.advance([("a", matcher, (), 0)])
+    (first,) = pipeline.start([("a", matcher, [], 0)]).result()["a"]
+    pipeline.advance([("a", matcher, no, len(no))])
+    (after,) = pipeline.start([("a", matcher, [], len(no))]).result()["a"]
+    # One fill per step, made by advance: start only collected it.
+    assert len(threads) == 2 and all(t.startswith("pagedinfer-grammar") for t in threads)
+    first_allowed, after_allowed = allowed_tokens([first, after], compiler.vocab_size)
+    assert no[0] in first_allowed and len(first_allowed) < 10
+    assert after_allowed == set(compiler.eos_token_ids)
+    # A mask prepared for another position, or rows with a draft, are filled anew, from
+    # the matcher's state after every token handed to advance.
+    again = pipeline.start([("a", matcher, [], 99)]).result()["a"]
+    assert len(threads) == 3 and allowed_tokens(again, compiler.vocab_size) == [after_allowed]
+    pipeline.forget(["a"])
+    assert pipeline.start([("a", matcher, [], len(no))]).result()["a"] is not None
+    assert len(threads) == 4
+
+
+def test_the_engine_advances_grammars_once_per_kept_token_off_its_thread(llm, monkeypatch):
+    calls: list[tuple[str, int]] = []
+    row_masks = GrammarMatcher.row_masks
+
+    def spy(self, draft, vocab):
+        calls.append((threading.current_thread().name, len(draft)))
+        return row_masks(self, draft, vocab)
+
+    monkeypatch.setattr(GrammarMatcher, "row_masks", spy)
+    params = SamplingParams(
+        max_tokens=30,
+        temperature=1.0,
+        seed=3,
+        structured_output=StructuredOutput.json_schema(PERSON),
+    )
+    (out,) = llm.generate([PROMPT], params)
+    tokens = len(out.outputs[0].token_ids)
+    # The first mask, then one after each kept token but the last: every mask was
+    # prepared one step ahead, none filled again when its step was scheduled.
+    assert len(calls) == tokens
+    assert all(name.startswith("pagedinfer-grammar") and draft == 0 for name, draft in calls)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
