@@ -2,7 +2,8 @@
 
 `--tool-call-parser` picks one (`TOOL_PARSERS`); without it, `default_parser` picks from
 the chat template. The chat API (`pagedinfer.service.openai.tools`) runs them over a
-choice's text, whole or as it streams.
+choice's text, whole or as it streams: a parser's `scanner` reads its calls as they are
+written, each call's name as soon as it is complete, then its arguments piece by piece.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import ast
 import json
 import re
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 
 @dataclass
@@ -52,6 +54,11 @@ class ToolParser:
         """Whether the held text surely begins the calls (not a partial marker)."""
         return held.startswith(self.start)
 
+    def scanner(self) -> CallScanner | None:
+        """Reads the calls as they stream, from where they open; None: the calls are
+        read whole at the end."""
+        return None
+
 
 class HermesParser(ToolParser):
     """`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one or more."""
@@ -83,7 +90,10 @@ class Llama3JsonParser(ToolParser):
         return 0 if not content_sent and (not head or head[0] in "{<") else None
 
     def opened(self, held: str) -> bool:
-        return False  # sent whole at the end
+        return _LLAMA3_OPEN.match(held) is not None
+
+    def scanner(self) -> CallScanner:
+        return JsonCallScanner(" \t\r\n;", ("<|python_tag|>",))
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         body = text.strip().removeprefix("<|python_tag|>").strip()
@@ -103,6 +113,9 @@ class MistralParser(ToolParser):
 
     name = "mistral"
     start = "[TOOL_CALLS]"
+
+    def scanner(self) -> CallScanner:
+        return JsonCallScanner(" \t\r\n,[]", (self.start,))
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         head, marker, rest = text.partition(self.start)
@@ -131,7 +144,10 @@ class Phi4MiniJsonParser(ToolParser):
         return 0 if not content_sent and (not head or head[0] in "[<") else None
 
     def opened(self, held: str) -> bool:
-        return False  # sent whole at the end
+        return _PHI4_OPEN.match(held) is not None
+
+    def scanner(self) -> CallScanner:
+        return JsonCallScanner(" \t\r\n,[]", (self.start, "<|/tool_call|>"))
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         body = text.replace(self.start, "").replace("<|/tool_call|>", "").strip()
@@ -160,7 +176,10 @@ class PythonicParser(ToolParser):
         return 0 if not content_sent and (not head or head[0] in "[`") else None
 
     def opened(self, held: str) -> bool:
-        return False  # sent whole at the end
+        return _PYTHONIC_OPEN.match(held) is not None
+
+    def scanner(self) -> CallScanner:
+        return PythonicCallScanner()
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         body = text.strip().removeprefix("```tool_code").removeprefix("```").strip()
@@ -184,6 +203,15 @@ class PythonicParser(ToolParser):
             calls.append(ParsedCall(node.func.id, json.dumps(arguments, ensure_ascii=False)))
         return None, calls
 
+
+# Text that surely opens the calls of a format without a marker of its own (or with one
+# that may be a skipped special token): a call's name, then its arguments' key.
+_JSON_NAME_FIRST = r'\{\s*"name"\s*:\s*"(?:[^"\\]|\\.)*"\s*,\s*"(?:arguments|parameters)"\s*:'
+_LLAMA3_OPEN = re.compile(rf"\s*(?:<\|python_tag\|>|{_JSON_NAME_FIRST})")
+_PHI4_OPEN = re.compile(rf"\s*(?:<\|tool_call\|>|\[\s*{_JSON_NAME_FIRST})")
+_PYTHONIC_OPEN = re.compile(
+    r"\s*(?:```(?:tool_code)?\s*)?\[\s*[A-Za-z_]\w*\s*\(\s*(?:\)|[A-Za-z_]\w*\s*=(?!=))"
+)
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p
@@ -246,3 +274,232 @@ def partial_suffix(text: str, marker: str) -> int:
         if marker.startswith(text[-length:]):
             return length
     return 0
+
+
+# ---------------------------------------------------------------------- streaming
+
+
+# What a scanner reads in a stream: a call's name (its arguments follow in pieces), a
+# piece of the current call's arguments, or a whole call (written in another order).
+CallEvent = tuple[Literal["name", "arguments", "call"], Any]
+
+
+class CallScanner:
+    """Reads a format's calls from the text that opened them, as it streams in. `broken`
+    once the text stops looking like calls: nothing more is read."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.pos = 0  # what was read so far
+        self.broken = False
+
+    def feed(self, text: str) -> list[CallEvent]:
+        self.text += text
+        events: list[CallEvent] = []
+        while not self.broken and self._step(events):
+            pass
+        return events
+
+    def _step(self, events: list[CallEvent]) -> bool:
+        """Read what the text allows next into `events`; False to wait for more."""
+        raise NotImplementedError
+
+    def _skip(self, chars: str, markers: Sequence[str]) -> bool:
+        """Move over whole `markers` and `chars`; False while the text ends there or in
+        what may still grow into a marker."""
+        text = self.text
+        while self.pos < len(text):
+            rest = text[self.pos : self.pos + max(map(len, markers), default=0)]
+            marker = next((m for m in markers if rest.startswith(m)), None)
+            if marker is not None:
+                self.pos += len(marker)
+            elif any(m.startswith(rest) for m in markers):
+                return False  # the text ends in part of a marker
+            elif text[self.pos] in chars:
+                self.pos += 1
+            else:
+                return True
+        return False
+
+
+# A JSON call whose name comes first and whose arguments are an object: streamed as it is
+# written. Any other order waits for the call's end.
+JSON_CALL_HEAD = re.compile(
+    r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
+)
+
+
+class JsonCallScanner(CallScanner):
+    """JSON call objects (`{"name": ..., "arguments" or "parameters": {...}}`) between
+    `separators` and wrapping `markers`: a list, or objects separated by `;`."""
+
+    def __init__(self, separators: str, markers: Sequence[str] = ()) -> None:
+        super().__init__()
+        self.separators = separators
+        self.markers = markers
+        self.state: Literal["between", "object", "arguments", "tail"] = "between"
+        self.start = 0  # where the call object being read starts
+        self.braces = JsonScan(0)  # of the call object, or of its streamed arguments
+
+    def _step(self, events: list[CallEvent]) -> bool:
+        text = self.text
+        if self.state == "between":
+            if not self._skip(self.separators, self.markers):
+                return False
+            if text[self.pos] != "{":
+                self.broken = True
+                return False
+            self.state, self.start, self.braces = "object", self.pos, JsonScan(self.pos)
+        if self.state == "object":
+            head = JSON_CALL_HEAD.match(text, self.start)
+            if head is None:  # another order (or the head is not written yet)
+                end = self.braces.scan(text)
+                if end is None:
+                    return False
+                call = call_of(text[self.start : end])
+                if call is None:
+                    self.broken = True
+                    return False
+                events.append(("call", call))
+                self.state, self.pos = "between", end
+                return True
+            events.append(("name", json.loads(head.group(1))))
+            self.state, self.pos, self.braces = "arguments", head.end(), JsonScan(head.end())
+        if self.state == "arguments":
+            end = self.braces.scan(text)
+            if self.braces.pos > self.pos:
+                events.append(("arguments", text[self.pos : self.braces.pos]))
+                self.pos = self.braces.pos
+            if end is None:
+                return False
+            self.state, self.braces = "tail", JsonScan(end, depth=1)  # in the call object
+        end = self.braces.scan(text)
+        if end is None:
+            return False
+        self.state, self.pos = "between", end
+        return True
+
+
+class PythonicCallScanner(CallScanner):
+    """A Python list of calls with keyword arguments, `[f(a=1, b="x"), g()]`, maybe in a
+    ```tool_code block: a call's name once its first argument (or its end) shows it is a
+    call, then each argument as JSON once its value is complete."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state: Literal["open", "between", "arguments", "done"] = "open"
+        self.first = True  # no argument of the current call sent yet
+
+    def _step(self, events: list[CallEvent]) -> bool:
+        text = self.text
+        if self.state == "open":
+            if not self._skip(" \t\r\n", ("```tool_code", "```")):
+                return False
+            if text[self.pos] != "[":
+                self.broken = True
+                return False
+            self.state, self.pos = "between", self.pos + 1
+        if self.state == "between":
+            if not self._skip(" \t\r\n,", ()):
+                return False
+            if text[self.pos] == "]":
+                self.state = "done"
+                return False
+            head = _PY_CALL_HEAD.match(text, self.pos)
+            if head is None:
+                self.broken = _PY_CALL_PARTIAL.fullmatch(text, self.pos) is None
+                return False
+            events.append(("name", head.group(1)))
+            self.state, self.pos, self.first = "arguments", head.end(), True
+        if self.state != "arguments" or not self._skip(" \t\r\n,", ()):
+            return False
+        if text[self.pos] == ")":
+            events.append(("arguments", "{}" if self.first else "}"))
+            self.state, self.pos = "between", self.pos + 1
+            return True
+        keyword = _PY_KEYWORD.match(text, self.pos)
+        if keyword is None:
+            self.broken = _PY_KEYWORD_PARTIAL.fullmatch(text, self.pos) is None
+            return False
+        end = _python_value_end(text, keyword.end())
+        if end is None:
+            return False
+        try:
+            value = ast.literal_eval(text[keyword.end() : end].strip())
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            self.broken = True
+            return False
+        piece = f"{json.dumps(keyword.group(1))}: {json.dumps(value, ensure_ascii=False)}"
+        events.append(("arguments", ("{" if self.first else ", ") + piece))
+        self.pos, self.first = end, False
+        return True
+
+
+@dataclass
+class JsonScan:
+    """Reads JSON text from `pos` for the bracket that brings `depth` back to 0, minding
+    strings and escapes; resumable as the text grows."""
+
+    pos: int
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+
+    def scan(self, text: str) -> int | None:
+        """Read on; the index just after that bracket, or None before it is written."""
+        i = self.pos
+        while i < len(text):
+            c = text[i]
+            i += 1
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.pos = i
+                    return i
+        self.pos = i
+        return None
+
+
+# A pythonic call's name, once an argument (or the call's end) follows it; what may still
+# grow into one; a keyword argument's name.
+_PY_CALL_HEAD = re.compile(r"([A-Za-z_]\w*)\s*\(\s*(?=\)|[A-Za-z_]\w*\s*=(?!=))")
+_PY_CALL_PARTIAL = re.compile(r"[A-Za-z_]\w*\s*(?:\(\s*(?:[A-Za-z_]\w*\s*)?)?")
+_PY_KEYWORD = re.compile(r"([A-Za-z_]\w*)\s*=(?!=)")
+_PY_KEYWORD_PARTIAL = re.compile(r"[A-Za-z_]\w*\s*")
+
+
+def _python_value_end(text: str, start: int) -> int | None:
+    """Where the Python literal from `start` ends: at its `,` or `)` at depth 0 (None
+    while it is still being written)."""
+    depth, quote, escaped = 0, "", False
+    for i in range(start, len(text)):
+        c = text[i]
+        if quote:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == quote:
+                quote = ""
+        elif c in "'\"":
+            quote = c
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            if depth == 0:
+                return i if c == ")" else None
+            depth -= 1
+        elif c == "," and depth == 0:
+            return i
+    return None

@@ -18,9 +18,10 @@ template.
   arguments object itself for a named function.
 
 Streaming sends each call as OpenAI does: a first delta with its index, id, type and
-name (arguments ""), then its arguments in fragments. Hermes calls (name first) and named
-calls stream their arguments as the model writes them; "required" calls and the other
-formats are sent once their text is complete.
+name (arguments ""), then its arguments in fragments as the model writes them: in every
+format, once the call's name is written (JSON calls whose arguments come before their
+name are sent once complete; pythonic calls send each argument, as JSON, once its value
+is complete), and in "required" and named calls.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ from pagedinfer.service.openai.protocol import ChatCompletionRequest, NamedToolC
 from pagedinfer.service.structured_output import GrammarError, StructuredOutput
 from pagedinfer.service.tool_parsers import (
     TOOL_PARSERS,
+    CallScanner,
     HermesParser,
+    JsonCallScanner,
     ParsedCall,
     ToolParser,
     call_of,
@@ -230,8 +233,8 @@ _HERMES_END = "</tool_call>"
 
 class ToolStream:
     """One choice's stream: content as it comes until calls may start, then each call's
-    deltas. A Hermes call (the default parser's) and a named call stream their arguments
-    as they are written; other formats send a call once its text is complete."""
+    deltas, its arguments as they are written: a Hermes call (the default parser's) read
+    here, the other formats' and "required" calls by their `CallScanner`."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
@@ -248,6 +251,8 @@ class ToolStream:
         self.in_string = False
         self.escaped = False
         self.args_end: int | None = None
+        self.scanner: CallScanner | None = None  # the other formats', once calls opened
+        self.scanned_to = 0  # of `held`, fed to the scanner
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """(content to send now, tool call deltas to send now) for new text."""
@@ -269,14 +274,14 @@ class ToolStream:
             self.in_content = False
         if parser is not None and parser.name == "hermes":
             return content, self._hermes()
-        return content, []
+        return content, self._scanned()
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """What is left at the end: content, or the remaining calls."""
         if self.plan.mode in ("none", "named"):
             return "", []
-        if self.args_at is not None:  # a streamed call without its end: sent as written
-            self.held = ""
+        if self.args_at is not None or (self.scanner is not None and self.sent_calls):
+            self.held = ""  # streamed calls, the last maybe without its end: sent as written
         content, calls = self.plan.parse(self.held)
         if not calls:
             if self.sent_calls:
@@ -318,6 +323,27 @@ class ToolStream:
                 return deltas
             self.held = self.held[end + len(_HERMES_END) :].lstrip()
             self.args_at = self.args_end = None
+
+    def _scanned(self) -> list[dict[str, Any]]:
+        """The deltas of what the format's scanner reads in the new held text."""
+        if self.scanner is None:
+            parser = self.plan.parser
+            if self.plan.mode == "required":  # the grammar's JSON list, name first
+                self.scanner = JsonCallScanner(" \t\r\n,[]")
+            elif parser is not None:
+                self.scanner = parser.scanner()
+            if self.scanner is None:
+                return []
+        new, self.scanned_to = self.held[self.scanned_to :], len(self.held)
+        deltas: list[dict[str, Any]] = []
+        for kind, value in self.scanner.feed(new):
+            if kind == "name":
+                deltas += self._head(value)
+            elif kind == "arguments":
+                deltas.append({"index": self.sent_calls - 1, "function": {"arguments": value}})
+            else:
+                deltas += self._send([value])
+        return deltas
 
     def _scan(self) -> None:
         """Advance over the arguments' characters up to the end of their object."""

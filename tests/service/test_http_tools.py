@@ -291,12 +291,98 @@ def test_tool_stream_holds_back_a_forming_marker_and_streams_the_arguments():
     assert stream.finish() == ("", [])  # nothing sent twice
 
 
-def test_tool_stream_sends_other_formats_at_the_end():
-    stream = ToolStream(ToolPlan("auto", [], parser=MistralParser()))
-    assert stream.feed("[TOOL_CA") == ("", [])
-    assert stream.feed('LLS][{"name": "f", "arguments": {"k": 1}}]') == ("", [])
-    (head, arguments) = stream.finish()[1]
-    assert head["function"]["name"] == "f" and arguments["function"]["arguments"] == '{"k": 1}'
+def streamed(plan: ToolPlan, pieces: list[str]) -> tuple[str, list[list[dict]], list[dict]]:
+    """(content, the tool deltas of each piece, the calls the deltas add up to) of a
+    scripted stream of text pieces, its end included."""
+    stream = ToolStream(plan)
+    content, per_piece = "", []
+    for piece in pieces:
+        text, deltas = stream.feed(piece)
+        content += text
+        per_piece.append(deltas)
+    text, deltas = stream.finish()
+    content += text
+    per_piece.append(deltas)
+    calls: list[dict] = []
+    for delta in (d for deltas in per_piece for d in deltas):
+        if "id" in delta:  # a call's first delta: index, id, type, name, no arguments yet
+            assert delta["index"] == len(calls) and delta["id"].startswith("call_")
+            assert delta["type"] == "function" and delta["function"]["arguments"] == ""
+            calls.append({"name": delta["function"]["name"], "arguments": ""})
+        else:
+            assert delta["index"] == len(calls) - 1 and set(delta["function"]) == {"arguments"}
+            calls[-1]["arguments"] += delta["function"]["arguments"]
+    return content, per_piece, calls
+
+
+def chars(text: str) -> list[str]:
+    return list(text)
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "content"),
+    [
+        (Llama3JsonParser(), '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; {"name": "get_time", "parameters": {"zone": "CET"}}', ""),
+        (Llama3JsonParser(), '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; {"name": "get_time", "parameters": {"zone": "CET"}}', ""),
+        (MistralParser(), 'Let me look.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, {"name": "get_time", "arguments": {"zone": "CET"}}]', "Let me look."),
+        (Phi4MiniJsonParser(), '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, {"name": "get_time", "arguments": {"zone": "CET"}}]<|/tool_call|>', ""),
+        (Phi4MiniJsonParser(), '[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, {"name": "get_time", "arguments": {"zone": "CET"}}]', ""),
+        (PythonicParser(), '[get_weather(city="Paris", unit=\'celsius\'), get_time(zone="CET")]', ""),
+        (PythonicParser(), '```tool_code\n[get_weather(city="Paris", unit="celsius"), get_time(zone="CET")]\n```', ""),
+    ],
+)  # fmt: skip
+def test_every_format_streams_name_first_then_argument_fragments(parser, text, content):
+    expected = [
+        ("get_weather", {"city": "Paris", "unit": "celsius"}),
+        ("get_time", {"zone": "CET"}),
+    ]
+    got_content, per_piece, calls = streamed(ToolPlan("auto", [], parser=parser), chars(text))
+    assert got_content == content
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == expected
+    # The same calls as the whole text's parse (its IDs aside).
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (c.name, c.arguments) for c in parser.parse(text)[1]
+    ]
+    # The first call's name goes out long before the stream ends, its arguments in pieces
+    # as they are written, and nothing is left for the end.
+    first = next(i for i, deltas in enumerate(per_piece) if deltas)
+    assert first < text.index("Paris")
+    fragments = [d for deltas in per_piece for d in deltas if d["index"] == 0 and "id" not in d]
+    assert len(fragments) > 1
+    assert per_piece[-1] == []
+
+
+def test_a_call_written_arguments_first_is_sent_once_complete():
+    text = '[TOOL_CALLS][{"arguments": {"k": 1}, "name": "f"}, {"name": "g", "arguments": {}}]'
+    _, per_piece, calls = streamed(ToolPlan("auto", [], parser=MistralParser()), chars(text))
+    assert calls == [{"name": "f", "arguments": '{"k": 1}'}, {"name": "g", "arguments": "{}"}]
+    sent_f = next(i for i, deltas in enumerate(per_piece) if deltas)
+    assert sent_f == text.index(', {"name": "g"') - 1  # the piece that closed f's object
+    assert len(per_piece[sent_f]) == 2  # head and arguments together
+
+
+def test_text_that_only_looks_like_calls_stays_content():
+    for parser, text in [
+        (Llama3JsonParser(), '{"answer": 42}'),
+        (PythonicParser(), "[1, 2, 3]"),
+        (PythonicParser(), "[print(x)]"),  # a positional argument: not a call
+        (Phi4MiniJsonParser(), '["a", "b"]'),
+    ]:
+        content, _, calls = streamed(ToolPlan("auto", [], parser=parser), chars(text))
+        assert (content, calls) == (text, [])
+
+
+def test_required_calls_stream_their_arguments():
+    text = '[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]'
+    _, per_piece, calls = streamed(ToolPlan("required", []), chars(text))
+    assert calls == [{"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}]
+    assert next(i for i, deltas in enumerate(per_piece) if deltas) < text.index("Paris")
+
+
+def test_a_call_cut_short_keeps_what_was_streamed():
+    text = '<|tool_call|>[{"name": "f", "arguments": {"a": "unfinis'
+    content, _, calls = streamed(ToolPlan("auto", [], parser=Phi4MiniJsonParser()), [text])
+    assert content == "" and calls == [{"name": "f", "arguments": '{"a": "unfinis'}]
 
 
 def test_request_accepts_tool_history():
