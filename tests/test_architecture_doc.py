@@ -4,6 +4,7 @@ section it cites exists; every document it names is in the repository."""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -12,8 +13,20 @@ SOURCES = ("service", "kernels", "operator", "tests", "benchmarks", "charts", "s
 CITATION = re.compile(r"docs/architecture\.md,?\s+section\s+(\d+)")
 
 
+def repository_files() -> list[Path]:
+    """The files git tracks or would track: not the ignored ones (virtual environments,
+    caches, peers installed beside the benchmarks), whose documents are not ours."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    return [ROOT / name for name in listed.split("\0") if name and (ROOT / name).is_file()]
+
+
 def source_texts() -> dict[Path, str]:
-    files = [p for part in SOURCES for p in (ROOT / part).rglob("*") if p.is_file()]
+    files = [p for p in repository_files() if p.relative_to(ROOT).parts[0] in SOURCES]
     files += [ROOT / "README.md", ROOT / "Dockerfile"]
     texts = {}
     for path in files:
@@ -43,7 +56,7 @@ def test_every_cited_section_exists() -> None:
 def test_every_markdown_document_cited_is_in_the_repository() -> None:
     """A reader has only the repository: a `.md` file named in the sources must be one
     of its own."""
-    present = {path.name for path in ROOT.rglob("*.md") if ".venv" not in path.parts}
+    present = {path.name for path in repository_files() if path.suffix == ".md"}
     cited = {
         (path.relative_to(ROOT), name)
         for path, text in source_texts().items()
