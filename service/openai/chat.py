@@ -25,6 +25,7 @@ from pagedinfer.service.openai.protocol import (
     ChatCompletionRequest,
     ChatDelta,
     ChatLogprobs,
+    PromptLogprobs,
     TokenLogprob,
     ToolCall,
 )
@@ -149,8 +150,6 @@ def start_chat(state: ServingState, request: ChatCompletionRequest) -> ChatJob:
     max_tokens = resolve_max_tokens(engine, len(prompt), requested, None, "messages", field_name)
     check_stop_token_ids(request, engine.vocab_size)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    if request.prompt_logprobs is not None and request.stream:
-        raise bad_request("prompt_logprobs is only served without stream", "prompt_logprobs")
     params = constrained(
         engine, request, sampling_params(request, max_tokens, logprobs, request.prompt_logprobs)
     )
@@ -258,12 +257,14 @@ def delta_of(reasoning: str, content: str) -> ChatDelta:
 
 async def stream(job: ChatJob) -> AsyncIterator[bytes]:
     """Server-sent events: the role of each choice, its content piece by piece with the
-    finish reason on the last, the usage chunk when asked for, then `data: [DONE]`."""
+    finish reason on the last, the usage chunk when asked for, then `data: [DONE]`. With
+    prompt_logprobs, the roles wait for the engine's first output, and the first chunk
+    carries the prompt's logprobs."""
     options = job.request.stream_options
     include_usage = options is not None and options.include_usage
     continuous = options is not None and options.continuous_usage_stats
 
-    def chunk(choice: ChatChunkChoice) -> bytes:
+    def chunk(choice: ChatChunkChoice, prompt_logprobs: PromptLogprobs | None = None) -> bytes:
         return sse(
             ChatCompletionChunk(
                 id=job.id,
@@ -271,22 +272,39 @@ async def stream(job: ChatJob) -> AsyncIterator[bytes]:
                 model=job.model,
                 choices=[choice],
                 usage=usage(job.runs) if continuous else None,
+                prompt_logprobs=prompt_logprobs,
             )
         )
+
+    def roles(prompt_logprobs: PromptLogprobs | None = None) -> list[bytes]:
+        return [
+            chunk(
+                ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")),
+                prompt_logprobs if i == 0 else None,
+            )
+            for i in range(job.request.n)
+        ]
 
     error = None
     splitters = job.reasoning_streams()
     tool_streams: list[ToolStream] | None = None
     if job.tools is not None:
         tool_streams = [job.tools.stream() for _ in range(job.request.n)]
+    # The prompt's logprobs come with the engine's first output (its prefill's).
+    scoring = job.request.prompt_logprobs
     try:
-        for i in range(job.request.n):
-            yield chunk(ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content="")))
+        for role in roles() if scoring is None else ():
+            yield role
         async for _, delta in merged(job.runs):
             if delta.finish_reason == "abort":
                 error = "aborted"
                 yield sse_error(503, "the server aborted the request")
                 return
+            if scoring is not None:
+                entries = delta.prompt_logprobs or []
+                for role in roles(prompt_logprobs_body(entries, scoring, job.token_text)):
+                    yield role
+                scoring = None
             entries = delta.logprobs or []
             if splitters is None:
                 new = ChatDelta(content=delta.text or None)

@@ -91,8 +91,6 @@ def start_completion(state: ServingState, request: CompletionRequest) -> Complet
     check_stop_token_ids(request, engine.vocab_size)
     prompt_logprobs = request.logprobs if request.echo else None
     if request.prompt_logprobs is not None:
-        if request.stream:
-            raise bad_request("prompt_logprobs is only served without stream", "prompt_logprobs")
         prompt_logprobs = max(prompt_logprobs or 0, request.prompt_logprobs)
     base = constrained(
         engine, request, sampling_params(request, 1, request.logprobs, prompt_logprobs)
@@ -230,13 +228,16 @@ async def complete(job: CompletionJob) -> Completion:
 
 async def stream(job: CompletionJob) -> AsyncIterator[bytes]:
     """Server-sent events: a chunk per piece of text, the usage chunk when asked for,
-    then `data: [DONE]`."""
+    then `data: [DONE]`. With prompt_logprobs, each choice's first chunk carries its
+    prompt's."""
     n = job.request.n
     options = job.request.stream_options
     include_usage = options is not None and options.include_usage
     continuous = options is not None and options.continuous_usage_stats
     started: set[int] = set()
     offsets: dict[int, int] = {}
+    prompt_entries: dict[int, list[dict]] = {}  # by prompt, once the engine scored it
+    scored: set[int] = set()  # choices whose chunk carried them
     error = None
     try:
         async for p, delta in merged(job.runs):
@@ -245,6 +246,8 @@ async def stream(job: CompletionJob) -> AsyncIterator[bytes]:
                 yield sse_error(503, "the server aborted the request")
                 return
             index = p * n + delta.index
+            if delta.prompt_logprobs is not None:
+                prompt_entries[p] = delta.prompt_logprobs
             text, entries = delta.text, delta.logprobs or []
             if job.hidden_tokens:
                 text, entries = "", []
@@ -260,13 +263,22 @@ async def stream(job: CompletionJob) -> AsyncIterator[bytes]:
                 offset = offsets.get(index, 0)
                 logprobs = completion_logprobs(job, entries, offset, prompt, delta.prompt_logprobs)
                 offsets[index] = offset + sum(len(t) for t in logprobs.tokens)
+            prompt_logprobs = None
+            k = job.request.prompt_logprobs
+            if k is not None and index not in scored and p in prompt_entries:
+                prompt_logprobs = prompt_logprobs_body(prompt_entries[p], k, job.token_text)
+                scored.add(index)
             chunk = Completion(
                 id=job.id,
                 created=job.created,
                 model=job.model,
                 choices=[
                     CompletionChoice(
-                        index=index, text=text, logprobs=logprobs, finish_reason=delta.finish_reason
+                        index=index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=delta.finish_reason,
+                        prompt_logprobs=prompt_logprobs,
                     )
                 ],
                 usage=usage(job.runs, job.hidden_tokens) if continuous else None,

@@ -426,6 +426,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # with prompt_logprobs: the first chunk's
     system_fingerprint: str | None = None
 
 

@@ -203,5 +203,42 @@ def test_prompt_logprobs_score_every_prompt_token(api):
         assert {1, 2} <= {e["rank"] for e in entry.values()}  # the two likeliest
     reply = api.post("/v1/chat/completions", chat(max_tokens=1, prompt_logprobs=0)).json()
     assert len(reply["prompt_logprobs"]) == reply["usage"]["prompt_tokens"]
-    refused = api.post("/v1/chat/completions", chat(prompt_logprobs=1, stream=True))
-    assert refused.status == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+
+
+def same_scores(a: list, b: list) -> None:
+    assert len(a) == len(b) and a[0] is None and b[0] is None
+    for x, y in zip(a[1:], b[1:], strict=True):
+        assert set(x) == set(y)
+        for token, entry in x.items():
+            assert entry["logprob"] == pytest.approx(y[token]["logprob"], abs=1e-4)
+            assert entry["rank"] == y[token]["rank"]
+
+
+def test_a_chat_stream_sends_the_prompt_logprobs_in_its_first_chunk(api):
+    whole = api.post("/v1/chat/completions", chat(max_tokens=4, prompt_logprobs=1)).json()
+    body = chat(max_tokens=4, prompt_logprobs=1, n=2, stream=True, seed=3, temperature=1.0,
+                stream_options={"include_usage": True})  # fmt: skip
+    chunks = [json.loads(e) for e in api.events("/v1/chat/completions", body)[:-1]]
+    first, rest = chunks[0], chunks[1:]
+    assert first["choices"][0]["index"] == 0 and first["choices"][0]["delta"]["role"]
+    assert len(first["prompt_logprobs"]) == chunks[-1]["usage"]["prompt_tokens"]
+    same_scores(first["prompt_logprobs"], whole["prompt_logprobs"])
+    assert all(c["prompt_logprobs"] is None for c in rest)
+    assert [c["choices"][0]["index"] for c in chunks[:2]] == [0, 1]  # both roles first
+
+
+def test_a_completion_stream_sends_each_choice_its_prompt_logprobs_first(api):
+    prompts = ["The capital of France is", "Two plus two is"]
+    body = {"prompt": prompts, "max_tokens": 3, "temperature": 0, "prompt_logprobs": 2}
+    whole = api.post("/v1/completions", body).json()["choices"]
+    chunks = [json.loads(e) for e in api.events("/v1/completions", {**body, "n": 2, "stream": True,
+                                                                      "seed": 1})[:-1]]  # fmt: skip
+    seen: set[int] = set()
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        if choice["index"] in seen:
+            assert choice["prompt_logprobs"] is None
+        else:  # a choice's first chunk: its prompt's scores
+            seen.add(choice["index"])
+            same_scores(choice["prompt_logprobs"], whole[choice["index"] // 2]["prompt_logprobs"])
+    assert seen == {0, 1, 2, 3}
