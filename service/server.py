@@ -329,7 +329,57 @@ def prompt_from_proto(message: Any) -> dict[str, Any]:
         given["prompt_token_ids"] = list(message.prompt_token_ids)
     if message.messages:
         given["messages"] = [{"role": m.role, "content": m.content} for m in message.messages]
+    options = chat_options_from_proto(message)
+    if options is not None:
+        from pagedinfer.service.prompts import check_chat_options
+
+        if "messages" not in given:
+            named = [f for f in CHAT_OPTION_FIELDS if _is_set(message, f)]
+            raise ValueError(f"{', '.join(named)}: applies only to a chat given as messages")
+        check_chat_options(options, given["messages"])
+        given["chat_options"] = options
     return given
+
+
+# A request's fields for how the chat template renders its messages.
+CHAT_OPTION_FIELDS = ("chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+
+
+def chat_options_from_proto(message: Any) -> Any:
+    """The `prompts.ChatOptions` of a request's chat template fields; None when it sets
+    none of them."""
+    from google.protobuf.json_format import MessageToDict
+
+    from pagedinfer.service.prompts import ChatOptions
+
+    if not any(_is_set(message, f) for f in CHAT_OPTION_FIELDS):
+        return None
+    generation_prompt = message.HasField("add_generation_prompt")
+    return ChatOptions(
+        add_generation_prompt=message.add_generation_prompt if generation_prompt else True,
+        continue_final_message=message.continue_final_message,
+        template_kwargs=_whole_numbers(MessageToDict(message.chat_template_kwargs)),
+    )
+
+
+def _is_set(message: Any, name: str) -> bool:
+    if name == "continue_final_message":  # no presence: set means true
+        return message.continue_final_message
+    if name == "chat_template_kwargs":
+        return bool(message.chat_template_kwargs.fields)
+    return message.HasField(name)
+
+
+def _whole_numbers(value: Any) -> Any:
+    """A Struct's JSON with its whole numbers as ints (a Struct holds every number as a
+    double; a template that prints one expects 3, not 3.0)."""
+    if isinstance(value, dict):
+        return {k: _whole_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_whole_numbers(v) for v in value]
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 def response_from_delta(delta: Any) -> Any:

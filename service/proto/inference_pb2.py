@@ -22,9 +22,10 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpagedinfer/v1/inference.proto\x12\rpagedinfer.v1\"\xd2\x01\n\x0fGenerateRequest\x12\x13\n\x06prompt\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08messages\x18\x03 \x03(\x0b\x32\x1a.pagedinfer.v1.ChatMessage\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.pagedinfer.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\t\n\x07_prompt\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xd4\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x0e\n\x01n\x18\r \x01(\x05H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\n\x88\x01\x01\x12@\n\nlogit_bias\x18\x14 \x03(\x0b\x32,.pagedinfer.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x15 \x01(\x05H\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x16 \x01(\x08H\x0c\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x17 \x01(\x08\x12:\n\x11structured_output\x18\x1e \x01(\x0b\x32\x1f.pagedinfer.v1.StructuredOutput\x12.\n\x0b\x62\x65\x61m_search\x18\x1f \x01(\x0b\x32\x19.pagedinfer.v1.BeamSearch\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobsB\r\n\x0b_min_tokensB\x16\n\x14_skip_special_tokens\"\x94\x01\n\nBeamSearch\x12\x14\n\x07\x62\x65st_of\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x34\n\x0e\x65\x61rly_stopping\x18\x03 \x01(\x0e\x32\x1c.pagedinfer.v1.EarlyStoppingB\n\n\x08_best_ofB\x11\n\x0f_length_penalty\"\x9c\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.pagedinfer.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xde\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.pagedinfer.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.pagedinfer.v1.FinishReason\x12#\n\x05usage\x18\x07 \x01(\x0b\x32\x14.pagedinfer.v1.Usage\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.pagedinfer.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"_\n\x0fTokenizeRequest\x12\x13\n\x06prompt\x18\x01 \x01(\tH\x00\x88\x01\x01\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.pagedinfer.v1.ChatMessageB\t\n\x07_prompt\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x15\n\x13GetModelInfoRequest\"r\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r*\x81\x01\n\rEarlyStopping\x12\x1e\n\x1a\x45\x41RLY_STOPPING_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x45\x41RLY_STOPPING_HEURISTIC\x10\x01\x12\x18\n\x14\x45\x41RLY_STOPPING_FIRST\x10\x02\x12\x18\n\x14\x45\x41RLY_STOPPING_NEVER\x10\x03*N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\x32\xf5\x01\n\tInference\x12M\n\x08Generate\x12\x1e.pagedinfer.v1.GenerateRequest\x1a\x1f.pagedinfer.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.pagedinfer.v1.TokenizeRequest\x1a\x1f.pagedinfer.v1.TokenizeResponse\x12L\n\x0cGetModelInfo\x12\".pagedinfer.v1.GetModelInfoRequest\x1a\x18.pagedinfer.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dpagedinfer/v1/inference.proto\x12\rpagedinfer.v1\x1a\x1cgoogle/protobuf/struct.proto\"\xe7\x02\n\x0fGenerateRequest\x12\x13\n\x06prompt\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08messages\x18\x03 \x03(\x0b\x32\x1a.pagedinfer.v1.ChatMessage\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.pagedinfer.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x35\n\x14\x63hat_template_kwargs\x18\x07 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x08 \x01(\x08H\x01\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\t \x01(\x08\x42\t\n\x07_promptB\x18\n\x16_add_generation_prompt\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xd4\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x0e\n\x01n\x18\r \x01(\x05H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\n\x88\x01\x01\x12@\n\nlogit_bias\x18\x14 \x03(\x0b\x32,.pagedinfer.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x15 \x01(\x05H\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x16 \x01(\x08H\x0c\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x17 \x01(\x08\x12:\n\x11structured_output\x18\x1e \x01(\x0b\x32\x1f.pagedinfer.v1.StructuredOutput\x12.\n\x0b\x62\x65\x61m_search\x18\x1f \x01(\x0b\x32\x19.pagedinfer.v1.BeamSearch\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobsB\r\n\x0b_min_tokensB\x16\n\x14_skip_special_tokens\"\x94\x01\n\nBeamSearch\x12\x14\n\x07\x62\x65st_of\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x34\n\x0e\x65\x61rly_stopping\x18\x03 \x01(\x0e\x32\x1c.pagedinfer.v1.EarlyStoppingB\n\n\x08_best_ofB\x11\n\x0f_length_penalty\"\x9c\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.pagedinfer.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xde\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12-\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1b.pagedinfer.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.pagedinfer.v1.FinishReason\x12#\n\x05usage\x18\x07 \x01(\x0b\x32\x14.pagedinfer.v1.Usage\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.pagedinfer.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xf4\x01\n\x0fTokenizeRequest\x12\x13\n\x06prompt\x18\x01 \x01(\tH\x00\x88\x01\x01\x12,\n\x08messages\x18\x02 \x03(\x0b\x32\x1a.pagedinfer.v1.ChatMessage\x12\x35\n\x14\x63hat_template_kwargs\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x05 \x01(\x08\x42\t\n\x07_promptB\x18\n\x16_add_generation_prompt\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x15\n\x13GetModelInfoRequest\"r\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r*\x81\x01\n\rEarlyStopping\x12\x1e\n\x1a\x45\x41RLY_STOPPING_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x45\x41RLY_STOPPING_HEURISTIC\x10\x01\x12\x18\n\x14\x45\x41RLY_STOPPING_FIRST\x10\x02\x12\x18\n\x14\x45\x41RLY_STOPPING_NEVER\x10\x03*N\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\x32\xf5\x01\n\tInference\x12M\n\x08Generate\x12\x1e.pagedinfer.v1.GenerateRequest\x1a\x1f.pagedinfer.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.pagedinfer.v1.TokenizeRequest\x1a\x1f.pagedinfer.v1.TokenizeResponse\x12L\n\x0cGetModelInfo\x12\".pagedinfer.v1.GetModelInfoRequest\x1a\x18.pagedinfer.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,40 +34,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_EARLYSTOPPING']._serialized_start=2223
-  _globals['_EARLYSTOPPING']._serialized_end=2352
-  _globals['_FINISHREASON']._serialized_start=2354
-  _globals['_FINISHREASON']._serialized_end=2432
-  _globals['_GENERATEREQUEST']._serialized_start=49
-  _globals['_GENERATEREQUEST']._serialized_end=259
-  _globals['_CHATMESSAGE']._serialized_start=261
-  _globals['_CHATMESSAGE']._serialized_end=305
-  _globals['_SAMPLINGPARAMS']._serialized_start=308
-  _globals['_SAMPLINGPARAMS']._serialized_end=1160
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=918
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=966
-  _globals['_BEAMSEARCH']._serialized_start=1163
-  _globals['_BEAMSEARCH']._serialized_end=1311
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=1314
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1470
-  _globals['_CHOICES']._serialized_start=1472
-  _globals['_CHOICES']._serialized_end=1498
-  _globals['_GENERATERESPONSE']._serialized_start=1501
-  _globals['_GENERATERESPONSE']._serialized_end=1723
-  _globals['_TOKENLOGPROB']._serialized_start=1725
-  _globals['_TOKENLOGPROB']._serialized_end=1814
-  _globals['_TOPLOGPROB']._serialized_start=1816
-  _globals['_TOPLOGPROB']._serialized_end=1863
-  _globals['_USAGE']._serialized_start=1865
-  _globals['_USAGE']._serialized_end=1945
-  _globals['_TOKENIZEREQUEST']._serialized_start=1947
-  _globals['_TOKENIZEREQUEST']._serialized_end=2042
-  _globals['_TOKENIZERESPONSE']._serialized_start=2044
-  _globals['_TOKENIZERESPONSE']._serialized_end=2081
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2083
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2104
-  _globals['_MODELINFO']._serialized_start=2106
-  _globals['_MODELINFO']._serialized_end=2220
-  _globals['_INFERENCE']._serialized_start=2435
-  _globals['_INFERENCE']._serialized_end=2680
+  _globals['_EARLYSTOPPING']._serialized_start=2552
+  _globals['_EARLYSTOPPING']._serialized_end=2681
+  _globals['_FINISHREASON']._serialized_start=2683
+  _globals['_FINISHREASON']._serialized_end=2761
+  _globals['_GENERATEREQUEST']._serialized_start=79
+  _globals['_GENERATEREQUEST']._serialized_end=438
+  _globals['_CHATMESSAGE']._serialized_start=440
+  _globals['_CHATMESSAGE']._serialized_end=484
+  _globals['_SAMPLINGPARAMS']._serialized_start=487
+  _globals['_SAMPLINGPARAMS']._serialized_end=1339
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1097
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1145
+  _globals['_BEAMSEARCH']._serialized_start=1342
+  _globals['_BEAMSEARCH']._serialized_end=1490
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1493
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1649
+  _globals['_CHOICES']._serialized_start=1651
+  _globals['_CHOICES']._serialized_end=1677
+  _globals['_GENERATERESPONSE']._serialized_start=1680
+  _globals['_GENERATERESPONSE']._serialized_end=1902
+  _globals['_TOKENLOGPROB']._serialized_start=1904
+  _globals['_TOKENLOGPROB']._serialized_end=1993
+  _globals['_TOPLOGPROB']._serialized_start=1995
+  _globals['_TOPLOGPROB']._serialized_end=2042
+  _globals['_USAGE']._serialized_start=2044
+  _globals['_USAGE']._serialized_end=2124
+  _globals['_TOKENIZEREQUEST']._serialized_start=2127
+  _globals['_TOKENIZEREQUEST']._serialized_end=2371
+  _globals['_TOKENIZERESPONSE']._serialized_start=2373
+  _globals['_TOKENIZERESPONSE']._serialized_end=2410
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2412
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2433
+  _globals['_MODELINFO']._serialized_start=2435
+  _globals['_MODELINFO']._serialized_end=2549
+  _globals['_INFERENCE']._serialized_start=2764
+  _globals['_INFERENCE']._serialized_end=3009
 # @@protoc_insertion_point(module_scope)

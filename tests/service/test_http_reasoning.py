@@ -242,3 +242,26 @@ def test_a_completion_stream_sends_each_choice_its_prompt_logprobs_first(api):
             seen.add(choice["index"])
             same_scores(choice["prompt_logprobs"], whole[choice["index"] // 2]["prompt_logprobs"])
     assert seen == {0, 1, 2, 3}
+
+
+def test_grpc_takes_chat_template_kwargs(api):
+    from pagedinfer.service.proto import inference_pb2 as pb
+
+    stub = api.server.stub
+    ask = [pb.ChatMessage(role="user", content="4+4?")]
+    off = pb.TokenizeRequest(messages=ask)
+    off.chat_template_kwargs.update({"enable_thinking": False})
+    on_ids = stub.Tokenize(pb.TokenizeRequest(messages=ask), timeout=30).token_ids
+    off_ids = stub.Tokenize(off, timeout=30).token_ids
+    block = api.post("/tokenize", {"prompt": EMPTY_BLOCK}).json()["count"]
+    assert len(off_ids) == len(on_ids) + block and off_ids[: len(on_ids)] == on_ids
+    request = pb.GenerateRequest(
+        messages=ask, sampling=pb.SamplingParams(max_tokens=6, temperature=0)
+    )
+    request.chat_template_kwargs.update({"enable_thinking": False})
+    replies = list(stub.Generate(request, timeout=120))
+    assert replies[-1].usage.prompt_tokens == len(off_ids)
+    # The same greedy text as the rendered prompt's ids sent as they are.
+    text = api.post("/v1/completions", {"prompt": list(off_ids), "max_tokens": 6,
+                                        "temperature": 0}).json()["choices"][0]["text"]  # fmt: skip
+    assert "".join(r.text for r in replies) == text

@@ -13,10 +13,11 @@ import pytest
 from google.protobuf import descriptor_pb2
 
 from pagedinfer.service.client import sampling_params_to_proto
+from pagedinfer.service.prompts import ChatOptions
 from pagedinfer.service.proto import inference_pb2 as pb
 from pagedinfer.service.proto import inference_pb2_grpc
 from pagedinfer.service.sampling_params import SamplingParams
-from pagedinfer.service.server import sampling_params_from_proto
+from pagedinfer.service.server import prompt_from_proto, sampling_params_from_proto
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTO = ROOT / "protos" / "pagedinfer" / "v1" / "inference.proto"
@@ -51,13 +52,16 @@ def test_regenerating_the_stubs_gives_the_committed_files(tmp_path):
 def test_committed_descriptor_is_the_compiled_proto(tmp_path):
     """Independent of the grpcio-tools version: the stub's embedded descriptor is
     exactly what protoc makes of the proto file today."""
+    import grpc_tools
     from grpc_tools import protoc
 
     out = tmp_path / "set.pb"
+    well_known = Path(grpc_tools.__file__).parent / "_proto"  # google/protobuf/*.proto
     rc = protoc.main(
         [
             "protoc",
             f"-I{ROOT / 'protos'}",
+            f"-I{well_known}",
             f"--descriptor_set_out={out}",
             "pagedinfer/v1/inference.proto",
         ]
@@ -156,3 +160,59 @@ def test_unset_sampling_fields_take_the_dataclass_defaults():
 def test_bad_sampling_field_is_named_with_its_proto_path():
     with pytest.raises(ValueError, match=r"^sampling\.top_p"):
         sampling_params_from_proto(pb.SamplingParams(top_p=1.5))
+
+
+CHAT = [pb.ChatMessage(role="user", content="Hi"), pb.ChatMessage(role="assistant", content="He")]
+
+
+def test_chat_template_fields_become_the_chat_options():
+    request = pb.GenerateRequest(messages=CHAT[:1])
+    request.chat_template_kwargs.update({"enable_thinking": False, "depth": 3, "scale": 0.5,
+                                         "nested": {"items": [1, "a"]}})  # fmt: skip
+    given = prompt_from_proto(request)
+    assert given["chat_options"] == ChatOptions(
+        template_kwargs={
+            "enable_thinking": False,
+            "depth": 3,
+            "scale": 0.5,
+            "nested": {"items": [1, "a"]},
+        }
+    )
+    assert isinstance(given["chat_options"].template_kwargs["depth"], int)
+    opened = pb.GenerateRequest(
+        messages=CHAT, add_generation_prompt=False, continue_final_message=True
+    )
+    assert prompt_from_proto(opened)["chat_options"] == ChatOptions(
+        add_generation_prompt=False, continue_final_message=True
+    )
+    assert "chat_options" not in prompt_from_proto(pb.GenerateRequest(messages=CHAT))
+    tokenize = pb.TokenizeRequest(messages=CHAT[:1], add_generation_prompt=False)
+    assert prompt_from_proto(tokenize)["chat_options"] == ChatOptions(add_generation_prompt=False)
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (pb.GenerateRequest(prompt="Hi", add_generation_prompt=False),
+         "^add_generation_prompt: applies only to a chat given as messages"),
+        (pb.GenerateRequest(messages=CHAT, continue_final_message=True),
+         "^continue_final_message: set add_generation_prompt to false"),
+        (pb.GenerateRequest(messages=CHAT[:1], add_generation_prompt=False,
+                            continue_final_message=True),
+         "^continue_final_message: the last message must be an assistant message"),
+    ],
+)  # fmt: skip
+def test_bad_chat_template_fields_are_named(request_, message):
+    with pytest.raises(ValueError, match=message):
+        prompt_from_proto(request_)
+
+
+def test_reserved_template_variables_are_refused():
+    request = pb.GenerateRequest(messages=CHAT[:1])
+    request.chat_template_kwargs.update({"messages": []})
+    with pytest.raises(ValueError, match=r"^chat_template_kwargs: messages cannot be set here"):
+        prompt_from_proto(request)
+    request = pb.GenerateRequest(prompt="Hi")
+    request.chat_template_kwargs.update({"enable_thinking": True})
+    with pytest.raises(ValueError, match=r"^chat_template_kwargs: applies only to a chat"):
+        prompt_from_proto(request)
