@@ -82,6 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS),
                         help="how the chat API reads tool calls in the model's text (default: "
                         "from the chat template; hermes where it says nothing)")  # fmt: skip
+    server.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                        help="leave a chat request's tools out of its prompt when its "
+                        "tool_choice is none (by default the model still sees them, as "
+                        "OpenAI shows them)")  # fmt: skip
     server.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                         help="Prometheus /metrics port (-1 disables it)")  # fmt: skip
     server.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
@@ -107,6 +111,7 @@ class ServerOptions:
     served_model_names: list[str] | None = None
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False
     max_queue: int = DEFAULT_MAX_QUEUE
     grace_period: float = DEFAULT_GRACE_PERIOD
     auth_token: str | None = None
@@ -136,6 +141,7 @@ class ServerOptions:
             served_model_names=names,
             reasoning_parser=args.reasoning_parser,
             tool_call_parser=args.tool_call_parser,
+            exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
             max_queue=args.max_queue,
             grace_period=args.grace_period,
             auth_token=args.auth_token or os.environ.get(AUTH_TOKEN_ENV) or None,
@@ -643,6 +649,7 @@ async def serve(config: EngineConfig, options: ServerOptions) -> int:
         if options.reasoning_parser is not None:
             http_state.reasoning_parser = get_reasoning_parser(options.reasoning_parser)
         http_state.tool_call_parser = options.tool_call_parser
+        http_state.exclude_tools_when_none = options.exclude_tools_when_tool_choice_none
         http = HttpServer(create_app(http_state, options.auth_token), options.host,
                           options.http_port, options.tls_cert, options.tls_key)  # fmt: skip
 

@@ -126,7 +126,12 @@ def chat_prompt(
     engine = state.ready_engine()
     options = chat_options(request)
     tools, messages, options = prepare_tools(
-        request, chat_messages(request), options, engine, state.tool_call_parser
+        request,
+        chat_messages(request),
+        options,
+        engine,
+        state.tool_call_parser,
+        exclude_when_none=state.exclude_tools_when_none,
     )
     try:
         prompts.check_chat_options(options, messages)

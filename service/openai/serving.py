@@ -56,6 +56,7 @@ class ServingState:
     created: int = field(default_factory=lambda: int(time.time()))
     reasoning_parser: ReasoningParser | None = None  # --reasoning-parser
     tool_call_parser: str | None = None  # --tool-call-parser; None: from the chat template
+    exclude_tools_when_none: bool = False  # --exclude-tools-when-tool-choice-none
     _answering: set[Callable[[], None]] = field(default_factory=set)
     _idle: asyncio.Event | None = None
 

@@ -8,7 +8,8 @@ tool calls and tool results in the history are rendered the same way for such a
 template.
 
 `tool_choice`:
-- "none": the model writes text (the tools are still shown, as OpenAI does).
+- "none": the model writes text (the tools are still shown, as OpenAI does, unless
+  the server runs with `--exclude-tools-when-tool-choice-none`, as vLLM's flag).
 - "auto" (the default with tools): the model's text is parsed by the family's parser
   (`--tool-call-parser`: hermes for Qwen2.5/Qwen3/SmolLM3 and the fallback prompt,
   llama3_json, mistral); text before the first call stays content.
@@ -404,10 +405,12 @@ def prepare_tools(
     options: Any,
     engine: Any,
     parser_name: str | None,
+    exclude_when_none: bool = False,
 ) -> tuple[ToolPlan | None, list[dict[str, Any]], Any]:
     """(the request's tool plan, the messages for the template, the chat options with
     the tools where the template renders them). `messages` are `chat_messages`'s, in
-    the order of `request.messages`; their tool calls and tool call ids are added here."""
+    the order of `request.messages`; their tool calls and tool call ids are added here.
+    exclude_when_none: tool_choice "none" shows the model no tools."""
     template = getattr(engine.tokenizer, "chat_template", None)
     if not isinstance(template, str):
         template = None
@@ -423,11 +426,12 @@ def prepare_tools(
         if given.name is not None and given.role == "tool":
             message["name"] = given.name
         history.append(message)
-    uses_tools = plan is not None or any("tool_calls" in m for m in history)
+    shown = None if plan is None or (exclude_when_none and plan.mode == "none") else plan
+    uses_tools = shown is not None or any("tool_calls" in m for m in history)
     if not uses_tools and all(m["role"] != "tool" for m in history):
         return plan, messages, options
     native = template_supports_tools(template)
-    history = render_history(history, plan, native)
-    if plan is not None and native:
-        options = dataclasses.replace(options, tools=plan.tools)
+    history = render_history(history, shown, native)
+    if shown is not None and native:
+        options = dataclasses.replace(options, tools=shown.tools)
     return plan, history, options

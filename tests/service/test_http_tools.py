@@ -399,3 +399,29 @@ def test_request_accepts_tool_history():
         }
     )  # fmt: skip
     assert request.messages[1].tool_calls[0].function.name == "get_weather"
+
+
+@pytest.fixture(scope="module")
+def excluding(tmp_path_factory):
+    server = start_server(tmp_path_factory.mktemp("tools-excluded"), "--max-model-len", "512",
+                          "--exclude-tools-when-tool-choice-none")  # fmt: skip
+    yield Api(server)
+    stop_server(server)
+
+
+def test_tool_choice_none_can_leave_the_tools_out_of_the_prompt(api, excluding):
+    def rendered(server: Api, **fields) -> list[int]:
+        reply = server.post("/v1/chat/completions/render", {"messages": ASK, **fields})
+        assert reply.status == 200, reply.body
+        return reply.json()["token_ids"]
+
+    bare = rendered(api)
+    assert rendered(excluding) == bare
+    # By default the model sees the tools even when it may not call them, as OpenAI does.
+    assert len(rendered(api, tools=[WEATHER], tool_choice="none")) > len(bare)
+    assert rendered(excluding, tools=[WEATHER], tool_choice="none") == bare
+    # Other tool choices show them either way.
+    assert rendered(excluding, tools=[WEATHER]) == rendered(api, tools=[WEATHER])
+    reply = excluding.post("/v1/chat/completions", {"messages": ASK, "tools": [WEATHER],
+                                                    "tool_choice": "none", "max_tokens": 4})  # fmt: skip
+    assert reply.status == 200 and reply.json()["usage"]["prompt_tokens"] == len(bare)
