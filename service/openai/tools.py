@@ -42,6 +42,7 @@ from pagedinfer.service.tool_parsers import (
     CallScanner,
     HermesParser,
     JsonCallScanner,
+    JsonScan,
     ParsedCall,
     ToolParser,
     call_of,
@@ -244,13 +245,9 @@ class ToolStream:
         self.in_content = plan.mode == "auto"
         self.content_sent = False
         # The Hermes call being streamed: where its arguments start in `held`, how far
-        # they were scanned and sent, and the scanner's state (brace depth, in a string,
-        # after a backslash); `args_end` once the arguments' object closed.
+        # they were read and sent, and `args_end` once the arguments' object closed.
         self.args_at: int | None = None
-        self.scanned = 0
-        self.depth = 0
-        self.in_string = False
-        self.escaped = False
+        self.arguments = JsonScan(0)
         self.args_end: int | None = None
         self.scanner: CallScanner | None = None  # the other formats', once calls opened
         self.scanned_to = 0  # of `held`, fed to the scanner
@@ -307,13 +304,12 @@ class ToolStream:
                     continue
                 name = json.loads(head.group(1))
                 deltas += self._head(name)
-                self.args_at = self.scanned = head.end()
-                self.depth, self.in_string, self.escaped, self.args_end = 0, False, False, None
+                self.args_at, self.arguments, self.args_end = head.end(), JsonScan(head.end()), None
             if self.args_end is None:
-                start = self.scanned
-                self._scan()
-                if self.scanned > start:
-                    fragment = self.held[start : self.scanned]
+                start = self.arguments.pos
+                self.args_end = self.arguments.scan(self.held)
+                if self.arguments.pos > start:
+                    fragment = self.held[start : self.arguments.pos]
                     deltas.append(
                         {"index": self.sent_calls - 1, "function": {"arguments": fragment}}
                     )
@@ -345,31 +341,6 @@ class ToolStream:
             else:
                 deltas += self._send([value])
         return deltas
-
-    def _scan(self) -> None:
-        """Advance over the arguments' characters up to the end of their object."""
-        text = self.held
-        i = self.scanned
-        while i < len(text):
-            c = text[i]
-            i += 1
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif c == "\\":
-                    self.escaped = True
-                elif c == '"':
-                    self.in_string = False
-            elif c == '"':
-                self.in_string = True
-            elif c in "{[":
-                self.depth += 1
-            elif c in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    self.args_end = i
-                    break
-        self.scanned = i
 
     def _named(self, text: str) -> list[dict[str, Any]]:
         deltas = self._head(self.plan.named or "") if self.sent_calls == 0 else []
