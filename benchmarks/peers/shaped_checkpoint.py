@@ -124,6 +124,7 @@ SMOLLM3_12_LAYERS_SHAPE = {
     "rope_theta": 5000000.0,
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": True,
+    "pad_token_id": None,  # SmolLM3's own (128004) lies past the embedded vocabulary
 }
 # Per family: transformers' config class, the shape and the name of the directory.
 SHAPES: dict[str, tuple[str, dict[str, Any], str]] = {
