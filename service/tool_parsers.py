@@ -389,6 +389,8 @@ class PythonicCallScanner(CallScanner):
         super().__init__()
         self.state: Literal["open", "between", "arguments", "done"] = "open"
         self.first = True  # no argument of the current call sent yet
+        self.keyword = ""  # the argument being read, and its value
+        self.value: PythonScan | None = None
 
     def _step(self, events: list[CallEvent]) -> bool:
         text = self.text
@@ -417,21 +419,24 @@ class PythonicCallScanner(CallScanner):
             events.append(("arguments", "{}" if self.first else "}"))
             self.state, self.pos = "between", self.pos + 1
             return True
-        keyword = _PY_KEYWORD.match(text, self.pos)
-        if keyword is None:
-            self.broken = _PY_KEYWORD_PARTIAL.fullmatch(text, self.pos) is None
-            return False
-        end = _python_value_end(text, keyword.end())
+        if self.value is None:
+            keyword = _PY_KEYWORD.match(text, self.pos)
+            if keyword is None:
+                self.broken = _PY_KEYWORD_PARTIAL.fullmatch(text, self.pos) is None
+                return False
+            self.keyword, self.value = keyword.group(1), PythonScan(keyword.end())
+        start = self.value.start
+        end = self.value.scan(text)
         if end is None:
             return False
         try:
-            value = ast.literal_eval(text[keyword.end() : end].strip())
+            value = ast.literal_eval(text[start:end].strip())
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             self.broken = True
             return False
-        piece = f"{json.dumps(keyword.group(1))}: {json.dumps(value, ensure_ascii=False)}"
+        piece = f"{json.dumps(self.keyword)}: {json.dumps(value, ensure_ascii=False)}"
         events.append(("arguments", ("{" if self.first else ", ") + piece))
-        self.pos, self.first = end, False
+        self.pos, self.first, self.value = end, False, None
         return True
 
 
@@ -471,35 +476,46 @@ class JsonScan:
         return None
 
 
+@dataclass
+class PythonScan:
+    """Reads a Python literal from `start` for its end: the `,` or closing bracket at
+    depth 0 after it, minding strings and escapes; resumable as the text grows."""
+
+    start: int
+    pos: int = -1
+    depth: int = 0
+    quote: str = ""
+    escaped: bool = False
+
+    def scan(self, text: str) -> int | None:
+        """Read on; the index of the literal's end, or None before it is written."""
+        i = self.start if self.pos < 0 else self.pos
+        while i < len(text):
+            c = text[i]
+            if self.quote:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == self.quote:
+                    self.quote = ""
+            elif c in "'\"":
+                self.quote = c
+            elif c in "([{":
+                self.depth += 1
+            elif c in ")]}" and self.depth:
+                self.depth -= 1
+            elif c in ",)]}":
+                self.pos = i
+                return i
+            i += 1
+        self.pos = i
+        return None
+
+
 # A pythonic call's name, once an argument (or the call's end) follows it; what may still
 # grow into one; a keyword argument's name.
 _PY_CALL_HEAD = re.compile(r"([A-Za-z_]\w*)\s*\(\s*(?=\)|[A-Za-z_]\w*\s*=(?!=))")
 _PY_CALL_PARTIAL = re.compile(r"[A-Za-z_]\w*\s*(?:\(\s*(?:[A-Za-z_]\w*\s*)?)?")
 _PY_KEYWORD = re.compile(r"([A-Za-z_]\w*)\s*=(?!=)")
 _PY_KEYWORD_PARTIAL = re.compile(r"[A-Za-z_]\w*\s*")
-
-
-def _python_value_end(text: str, start: int) -> int | None:
-    """Where the Python literal from `start` ends: at its `,` or `)` at depth 0 (None
-    while it is still being written)."""
-    depth, quote, escaped = 0, "", False
-    for i in range(start, len(text)):
-        c = text[i]
-        if quote:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == quote:
-                quote = ""
-        elif c in "'\"":
-            quote = c
-        elif c in "([{":
-            depth += 1
-        elif c in ")]}":
-            if depth == 0:
-                return i if c == ")" else None
-            depth -= 1
-        elif c == "," and depth == 0:
-            return i
-    return None
