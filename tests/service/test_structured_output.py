@@ -3,6 +3,7 @@ draft rows, and that every sampling path of the embedded model keeps to the gram
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import threading
@@ -150,6 +151,10 @@ def test_the_engine_advances_grammars_once_per_kept_token_off_its_thread(llm, mo
     # prepared one step ahead, none filled again when its step was scheduled.
     assert len(calls) == tokens
     assert all(name.startswith("pagedinfer-grammar") and draft == 0 for name, draft in calls)
+    # Forks start from their first sample's mask, then each prepares its own.
+    calls.clear()
+    (out,) = llm.generate([PROMPT], dataclasses.replace(params, n=3))
+    assert len(calls) == 1 + sum(len(s.token_ids) - 1 for s in out.outputs)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
