@@ -525,6 +525,10 @@ def fused_forward(
 
 
 _NO_PROFILE = np.zeros((1, len(PHASES), 2), dtype=np.int64)
+# The head dims one compiled step serves together, so that a model of any of them runs on
+# the step another one compiled: SmolLM2, Llama 3.2 and Qwen2 have 64; Qwen3, Phi-3 and
+# most 7-8B models 128; Gemma 3 256.
+HEAD_DIMS = (64, 128, 256)
 
 
 def _kernel(
@@ -537,10 +541,12 @@ def _kernel(
 ) -> Callable[..., None]:
     """The compiled step for a model's positions' kinds (compiled, or loaded from the
     cache, on first call); profiled: counting each phase's cycles into its `prof`
-    argument. Only the block size and head dim (the attention kernels' lane widths) are
+    argument. Only the block size and head dims (the attention kernels' lane widths) are
     compiled in: the other widths and the number of layers are read from the arrays, so
     models of other shapes share the step (up to `paged_decode.HEADS` heads and
-    `paged_verify.KV_HEADS` KV heads)."""
+    `paged_verify.KV_HEADS` KV heads), and one step holds the attention kernels of every
+    head dim of HEAD_DIMS (another head dim gets a step of its own)."""
+    head_dims = HEAD_DIMS if shape.head_dim in HEAD_DIMS else (shape.head_dim,)
     in_features = (shape.hidden, shape.num_heads * shape.head_dim, shape.hidden)
     in_features += (shape.intermediate, shape.hidden)
     chains = tuple(
@@ -549,7 +555,7 @@ def _kernel(
     )
     return _step_kernel(
         shape.block_size,
-        shape.head_dim,
+        head_dims,
         paged_decode.kernel_heads(shape.num_heads),
         paged_verify.kernel_kv_heads(shape.num_kv_heads),
         kinds,
@@ -568,7 +574,7 @@ def _chain_gemm(kind: str, chain: tuple[tuple[int, ...], bool], silu: bool) -> C
 @functools.cache
 def _step_kernel(
     block_size: int,
-    d: int,
+    head_dims: tuple[int, ...],
     most_heads: int,
     most_kv_heads: int,
     kinds: tuple[str, ...],
@@ -621,8 +627,41 @@ def _step_kernel(
     quantize, approximate, pick = greedy_argmax.phase_kernels(
         lm_ends[-1] if lm_ends else 0, grid_gemm.SumOrder(lm_ends or (0,), lm_fused), kinds[4]
     )
-    decode = paged_decode.compiled_kernel(block_size, most_heads, 1, d)
-    verify = paged_verify.compiled_kernel(block_size, 1, most_kv_heads, d)
+    # The attention kernels of each head dim (up to three; fewer repeat the first).
+    dims = (*head_dims, *(head_dims[:1] * (3 - len(head_dims))))
+    (decode0, verify0), (decode1, verify1), (decode2, verify2) = (
+        (
+            paged_decode.compiled_kernel(block_size, most_heads, 1, dim),
+            paged_verify.compiled_kernel(block_size, 1, most_kv_heads, dim),
+        )
+        for dim in dims
+    )
+    dim1, dim2 = dims[1], dims[2]
+
+    @jit(inline="always", nogil=True)
+    def attend(
+        query: np.ndarray,
+        k_cache: np.ndarray,
+        v_cache: np.ndarray,
+        d_args: tuple[np.ndarray, np.ndarray, np.ndarray],
+        r_args: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+        scale: np.float32,
+        out: np.ndarray,
+        worker: int,
+        workers: int,
+    ) -> None:
+        """The decodes' and runs' attention, by the kernels of the query's head dim."""
+        d = query.shape[2]
+        if d == dim1:
+            decode1(query, k_cache, v_cache, *d_args, scale, out, worker, workers)
+            verify1(query, k_cache, v_cache, *r_args, scale, out, worker, workers)
+        elif d == dim2:
+            decode2(query, k_cache, v_cache, *d_args, scale, out, worker, workers)
+            verify2(query, k_cache, v_cache, *r_args, scale, out, worker, workers)
+        else:
+            decode0(query, k_cache, v_cache, *d_args, scale, out, worker, workers)
+            verify0(query, k_cache, v_cache, *r_args, scale, out, worker, workers)
+
     rms_norm, rope_write_kv = layer_ops.rms_norm_rows, layer_ops.rope_write_kv_rows
 
     @jit(inline="always", nogil=True)
@@ -726,7 +765,7 @@ def _step_kernel(
     ) -> None:
         mark = cycle_counter() if profiled else 0
         tokens = hidden.shape[0]
-        nh, nkv = query.shape[1], k_caches[0].shape[2]
+        nh, nkv, d = query.shape[1], k_caches[0].shape[2], query.shape[2]
         slots_per_layer = nkv * d
         num_layers = norms.shape[0]
         hidden_tiles, qkv_tiles = hidden.shape[1] // lanes, qkv.shape[1] // lanes
@@ -783,17 +822,12 @@ def _step_kernel(
             passed, mark = end_phase(sync, workers, passed, prof, worker, _ROPE, mark)
             if sync[1] != 0:
                 return
-            decode(
-                query, k_cache, v_cache, d_rows, d_tables, d_lens, scale, attn_out, worker, workers
-            )
-            verify(
+            attend(
                 query,
                 k_cache,
                 v_cache,
-                r_rows,
-                r_counts,
-                r_tables,
-                r_lens,
+                (d_rows, d_tables, d_lens),
+                (r_rows, r_counts, r_tables, r_lens),
                 scale,
                 attn_out,
                 worker,
