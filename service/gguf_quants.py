@@ -8,8 +8,12 @@ type is refused (`check_tensor_types`) rather than served through a path nobody 
 Every quantised type is, exactly, `fp32(d * q) + m` over runs of inputs (`block_grid`):
 Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 per run of 32 with fp16 d and m; the K-quants with fp32
 d and m, each the product of the super-block's fp16 scale and a run's small integer scale
-(exact in fp32), per run of 32 (Q4_K, Q5_K) or 16 (Q2_K, Q3_K, Q6_K). Backends that compute from such grids
-take them from here instead of rediscovering them in the fp32 values.
+(exact in fp32), per run of 32 (Q4_K, Q5_K) or 16 (Q2_K, Q3_K, Q6_K). The non-linear
+IQ4_NL and IQ4_XS pick each weight's level from a table of 16 (`IQ4_LEVELS`) by a 4-bit
+index: their codes are those levels, with fp16 d per 32 (IQ4_NL) or fp32 d per run of 32,
+the super-block's fp16 scale times a 6-bit one less 32 (IQ4_XS), and no m. Backends that
+compute from such grids take them from here instead of rediscovering them in the fp32
+values.
 """
 
 from __future__ import annotations
@@ -134,8 +138,26 @@ def _q8_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     return raw[:, 2:34].view(np.int8).astype(np.int16), raw[:, 0:2], None
 
 
+# The non-linear 4-bit types' 16 levels (ggml's kvalues_iq4nl): a 4-bit index picks one,
+# and the weight is the block's scale times that level.
+IQ4_LEVELS = np.array(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int16
+)
+
+
+def _iq4_nl(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    return IQ4_LEVELS[_nibbles(raw[:, 2:18])], raw[:, 0:2], None
+
+
 # type -> (codes int16 [blocks, 32], d bytes [blocks, 2], m bytes [blocks, 2] or None)
-_SCALED_PARTS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0}
+_SCALED_PARTS = {
+    "Q4_0": _q4_0,
+    "Q4_1": _q4_1,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "Q8_0": _q8_0,
+    "IQ4_NL": _iq4_nl,
+}
 
 
 def _scaled_decoder(name: str) -> Callable[[np.ndarray], np.ndarray]:
@@ -238,15 +260,34 @@ def _q3_k(raw: np.ndarray) -> KParts:
     return q.reshape(-1, SUPER_BLOCK), dl, None
 
 
+def _iq4_xs(raw: np.ndarray) -> KParts:
+    d = _f16(raw[:, 0:2])
+    high = raw[:, 2:4].copy().view(np.uint16)  # 2 high bits of run r's scale at bit 2r
+    low = raw[:, 4:8]  # 4 low bits of run 2i's scale in byte i's low nibble, 2i + 1's high
+    runs = np.arange(8, dtype=np.uint16)
+    six = _nibbles(low)[:, [0, 4, 1, 5, 2, 6, 3, 7]] | (((high >> (2 * runs)) & 3) << 4)
+    qs = raw[:, 8:136].reshape(-1, 8, 16)  # per run of 32: 16 bytes, as IQ4_NL's block
+    q = IQ4_LEVELS[_nibbles(qs)].reshape(-1, SUPER_BLOCK)
+    return q, d * (six.astype(np.float32) - 32), None  # d * (scale - 32), then times q
+
+
 _K_PARTS: dict[str, Callable[[np.ndarray], KParts]] = {
     "Q2_K": _q2_k,
     "Q3_K": _q3_k,
     "Q4_K": _q4_k,
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,
+    "IQ4_XS": _iq4_xs,  # not a K-quant, but a super-block of runs of 32 with fp32 scales
 }
-# Each K-quant's code range (the grid's low..high).
-_K_RANGES = {"Q2_K": (0, 3), "Q3_K": (-4, 3), "Q4_K": (0, 15), "Q5_K": (0, 31), "Q6_K": (-32, 31)}
+# Each super-block type's code range (the grid's low..high).
+_K_RANGES = {
+    "Q2_K": (0, 3),
+    "Q3_K": (-4, 3),
+    "Q4_K": (0, 15),
+    "Q5_K": (0, 31),
+    "Q6_K": (-32, 31),
+    "IQ4_XS": (-127, 113),
+}
 
 
 def _k_decoder(name: str) -> Callable[[np.ndarray], np.ndarray]:
@@ -289,6 +330,8 @@ FORMATS: dict[str, BlockFormat] = {
         BlockFormat("Q4_K", 256, 144, _k_decoder("Q4_K")),
         BlockFormat("Q5_K", 256, 176, _k_decoder("Q5_K")),
         BlockFormat("Q6_K", 256, 210, _k_decoder("Q6_K")),
+        BlockFormat("IQ4_NL", 32, 18, _scaled_decoder("IQ4_NL")),
+        BlockFormat("IQ4_XS", 256, 136, _k_decoder("IQ4_XS")),
     )
 }
 SUPPORTED_TYPES = tuple(FORMATS)
@@ -341,9 +384,13 @@ def block_grid(raw: np.ndarray, type_name: str) -> BlockGrid | None:
     fmt = FORMATS[type_name]
     q, d_raw, m_raw = _SCALED_PARTS[type_name](_blocks(raw, fmt))
     d = d_raw.copy().view(np.float16).reshape(rows, -1)
-    low, high = {"Q4_0": (-8, 7), "Q4_1": (0, 15), "Q5_0": (-16, 15), "Q5_1": (0, 31)}.get(
-        type_name, (-128, 127)
-    )
+    low, high = {
+        "Q4_0": (-8, 7),
+        "Q4_1": (0, 15),
+        "Q5_0": (-16, 15),
+        "Q5_1": (0, 31),
+        "IQ4_NL": (-127, 113),
+    }.get(type_name, (-128, 127))
     if m_raw is not None:
         m = m_raw.copy().view(np.float16).reshape(rows, -1)
     else:

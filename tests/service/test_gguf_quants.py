@@ -22,6 +22,37 @@ FP16_FIELDS = {
     "Q4_K": (0, 2),
     "Q5_K": (0, 2),
     "Q6_K": (208,),
+    "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
+}
+# The tensor types of the GGUF files people download (Q4_K_M, Q4_K_S, Q5_K_M, Q6_K, Q8_0,
+# Q4_0, IQ4_XS, BF16, F16: llama-quantize's file types are mixes of these; an IQ4_XS file
+# keeps IQ4_NL where a row is not whole super-blocks).
+DOWNLOADED_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "IQ4_XS", "IQ4_NL", "BF16", "F16")
+# The ggml tensor types we refuse: the codebook i-quants (lattice grids of 256 to 2048
+# entries), the ternary, 1- and 2-bit and FP4 types, the integer and f64 tensors no model
+# file holds, and Q8_1 and Q8_K, ggml's intermediate formats for activations.
+REFUSED_TYPES = {
+    "Q1_0",
+    "Q2_0",
+    "NVFP4",
+    "Q8_1",
+    "Q8_K",
+    "IQ2_XXS",
+    "IQ2_XS",
+    "IQ2_S",
+    "IQ3_XXS",
+    "IQ3_S",
+    "IQ1_S",
+    "IQ1_M",
+    "TQ1_0",
+    "TQ2_0",
+    "MXFP4",
+    "I8",
+    "I16",
+    "I32",
+    "I64",
+    "F64",
 }
 
 
@@ -91,7 +122,8 @@ def test_grid_types_are_their_dequantisation_on_a_grid(type_name: str) -> None:
     raw = random_blocks(type_name, rows=16, blocks=4, seed=2)
     grid = gguf_quants.block_grid(raw, type_name)
     values = 4 * gguf_quants.FORMATS[type_name].values
-    k_quant, fine = type_name.endswith("_K"), type_name in ("Q2_K", "Q3_K", "Q6_K")
+    k_quant = type_name.endswith("_K") or type_name == "IQ4_XS"
+    fine = type_name in ("Q2_K", "Q3_K", "Q6_K")
     runs = values // 16 if fine else values // 32
     scale_type = np.float32 if k_quant else np.float16
     assert grid is not None and grid.codes.shape == (16, values)
@@ -157,6 +189,8 @@ def test_grid_ranges_per_type() -> None:
         "Q4_K": (0, 15),
         "Q5_K": (0, 31),
         "Q6_K": (-32, 31),
+        "IQ4_NL": (-127, 113),  # the levels themselves
+        "IQ4_XS": (-127, 113),
     }
     assert gguf_quants.block_grid(random_blocks("F16", 2, 64), "F16") is None
 
@@ -170,8 +204,72 @@ def test_q4_0_whose_offset_overflows_fp16_keeps_signed_codes() -> None:
 
 
 def test_a_tensor_of_an_unclaimed_type_is_refused_by_name() -> None:
-    tensors = [("blk.0.attn_q.weight", "Q4_K"), ("blk.0.ffn_up.weight", "IQ4_NL")]
-    with pytest.raises(ValueError, match=r"'blk.0.ffn_up.weight' has GGUF type IQ4_NL") as err:
+    tensors = [("blk.0.attn_q.weight", "Q4_K"), ("blk.0.ffn_up.weight", "IQ2_XXS")]
+    with pytest.raises(ValueError, match=r"'blk.0.ffn_up.weight' has GGUF type IQ2_XXS") as err:
         gguf_quants.check_tensor_types(tensors, "model.gguf")
     assert "supported: F32, F16, BF16, Q4_0" in str(err.value)
     gguf_quants.check_tensor_types(tensors[:1], "model.gguf")
+
+
+def test_the_downloaded_types_are_read_and_the_rest_refused() -> None:
+    import gguf
+
+    assert set(DOWNLOADED_TYPES) <= set(gguf_quants.SUPPORTED_TYPES)
+    every = {t.name for t in gguf.GGMLQuantizationType}
+    assert every - set(gguf_quants.SUPPORTED_TYPES) == REFUSED_TYPES & every
+    for name in REFUSED_TYPES & every:
+        with pytest.raises(ValueError, match=f"has GGUF type {name}, which pagedinfer"):
+            gguf_quants.check_tensor_types([("blk.0.ffn_up.weight", name)], "model.gguf")
+
+
+def iq4_xs_as_llama_cpp(raw: np.ndarray) -> np.ndarray:
+    """llama.cpp's dequantize_row_iq4_xs, one value at a time in fp32: [blocks, 136] bytes
+    as [blocks, 256]."""
+    levels = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]
+    out = np.empty((raw.shape[0], 256), dtype=np.float32)
+    for i, block in enumerate(raw):
+        d = np.float32(block[0:2].view(np.float16)[0])
+        scales_h = int(block[2]) | int(block[3]) << 8
+        for ib in range(8):
+            ls = (int(block[4 + ib // 2]) >> 4 * (ib % 2)) & 15 | ((scales_h >> 2 * ib) & 3) << 4
+            dl = np.float32(d * np.float32(ls - 32))
+            for j in range(16):
+                byte = int(block[8 + 16 * ib + j])
+                out[i, 32 * ib + j] = dl * np.float32(levels[byte & 15])
+                out[i, 32 * ib + j + 16] = dl * np.float32(levels[byte >> 4])
+    return out
+
+
+def test_iq4_xs_is_llama_cpps_dequantisation_value_by_value() -> None:
+    raw = random_blocks("IQ4_XS", rows=3, blocks=2, seed=7)
+    expected = iq4_xs_as_llama_cpp(raw.reshape(6, 136)).reshape(3, 512)
+    assert_same_bits(gguf_quants.dequantize(raw, "IQ4_XS"), expected)
+
+
+def test_iq4_xs_block_of_known_scales_and_levels() -> None:
+    """d = 0.5; run r's 6-bit scale 33 + r, but 55 for run 7 (top bits 3, the others' 2);
+    every byte of run r holds levels r (low nibble) and 15 - r (high nibble)."""
+    block = np.zeros(136, dtype=np.uint8)
+    block[0:2] = np.array([0.5], dtype=np.float16).view(np.uint8)
+    scales = [33 + r for r in range(7)] + [55]
+    block[2:4] = np.array([sum((s >> 4) << 2 * r for r, s in enumerate(scales))], np.uint16).view(
+        np.uint8
+    )
+    for r, s in enumerate(scales):
+        block[4 + r // 2] |= (s & 15) << 4 * (r % 2)
+        block[8 + 16 * r : 24 + 16 * r] = r | (15 - r) << 4
+    values = gguf_quants.dequantize(block[None], "IQ4_XS")[0].reshape(8, 2, 16)
+    levels = gguf_quants.IQ4_LEVELS
+    for r, s in enumerate(scales):
+        dl = 0.5 * (s - 32)
+        assert (values[r, 0] == dl * levels[r]).all(), r
+        assert (values[r, 1] == dl * levels[15 - r]).all(), r
+
+
+def test_iq4_nl_block_of_known_levels() -> None:
+    block = np.zeros(18, dtype=np.uint8)
+    block[0:2] = np.array([-0.25], dtype=np.float16).view(np.uint8)
+    block[2:18] = np.arange(16, dtype=np.uint8) | (15 - np.arange(16, dtype=np.uint8)) << 4
+    values = gguf_quants.dequantize(block[None], "IQ4_NL")[0]
+    levels = gguf_quants.IQ4_LEVELS.astype(np.float32)
+    np.testing.assert_array_equal(values, -0.25 * np.concatenate((levels, levels[::-1])))

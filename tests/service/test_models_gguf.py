@@ -273,6 +273,18 @@ QUANT_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
         },
         ("affine4", "scaled8", "affine4", "fine8", "fine8"),
     ),
+    # An IQ4_XS file as llama-quantize makes it: IQ4_XS layers (the 16 levels as 8-bit
+    # codes, fp32 scales per 32), IQ4_NL where a row is not whole super-blocks (8-bit codes,
+    # fp16 scales), a Q6_K LM head (fine).
+    "iq4_xs": (
+        {
+            "blk.0.ffn_down": "IQ4_NL",
+            "blk.": "IQ4_XS",
+            "output.": "Q6_K",
+            "token_embd": "IQ4_XS",
+        },
+        ("scaled8", "scaled8", "scaled8", "scaled8", "fine8"),
+    ),
     # The other types: K-quant parts beside an fp32 layer (rebuilt), a Q4_0 layer beside
     # a Q8_0 one (each in its own kind), Q6_K (fine), F16 and BF16 (rebuilt), and a Q5_1
     # LM head (8-bit with offsets: no 8-bit argmax).
@@ -294,8 +306,10 @@ QUANT_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
         ("rebuilt", "affine4/scaled8", "rebuilt", "fine8", "scaled8"),
     ),
 }
-# The K-quants' d (and dmin) for weights of a few hundredths, from random codes and scales.
+# The d (and dmin) of the types gguf-py does not quantise, for weights of a few
+# hundredths from random codes and scales.
 K_QUANT_SCALE = {"Q2_K": 1e-3, "Q3_K": 5e-4, "Q4_K": 1e-4, "Q5_K": 5e-5, "Q6_K": 1e-5}
+K_QUANT_SCALE.update({"IQ4_NL": 3e-4, "IQ4_XS": 1e-5})
 
 
 def quantiser(plan: dict[str, str], seed: int = 0) -> Callable[[str, np.ndarray], Any]:
@@ -432,7 +446,7 @@ def test_quantised_gguf_file_decodes_greedily_through_the_executor_as_torch_does
     assert greedy_tokens(executor, loaded.config, prompt, 12) == expected
 
 
-@pytest.mark.parametrize(("type_name", "values"), [("IQ4_NL", 32), ("TQ1_0", 256)])
+@pytest.mark.parametrize(("type_name", "values"), [("IQ2_XXS", 256), ("TQ1_0", 256)])
 def test_a_gguf_file_with_a_type_we_do_not_read_is_refused_before_converting(
     type_name: str, values: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
