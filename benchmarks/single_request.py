@@ -11,11 +11,17 @@ end-to-end rate all output tokens over the whole request, prompt included. llama
 
 Pairs (`--pairs`): `embedded` (the embedded model against its Q4_1 file); each file
 `peers/make_gguf_files.sh` makes (Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0), served by both from
-the file itself; `noisy` (an ordinary fp32 checkpoint, `peers/noisy_checkpoint.py`,
+the file itself; the same at a real size (`1b-Q4_K_M`, ...: each file
+`peers/make_real_gguf_files.sh` makes from the Llama-3.2-1B-shaped checkpoint with
+llama.cpp's own converter and quantiser); `noisy` (an ordinary fp32 checkpoint, `peers/noisy_checkpoint.py`,
 against llama.cpp's F32 copy), `noisy-bf16` (that checkpoint stored in bf16, as most are
 published, against the BF16 copy) and `bf16` (the same with `--dtype bfloat16`, on CPUs
 with native bf16). `--model` and `--gguf` name one pair of your own
 instead.
+
+Each pair's weights are read once a decode step, so beside each rate stands the rate
+at which it reads the file's tensor bytes (`file_gb_per_s`), and its share of the
+machine's read bandwidth, measured at the start (`machine.read_gb_per_s`).
 
     python benchmarks/single_request.py --json > benchmarks/results/single_request_MACHINE.json
     python benchmarks/single_request.py --pairs embedded,noisy --profile embedded
@@ -47,12 +53,13 @@ from typing import Any
 import torch
 from peers import run_llamacpp
 from peers.paths import shown
-from throughput import matmul_gflops, resolve_model
+from throughput import matmul_gflops, read_bandwidth, resolve_model
 from workloads.chat import CHAT_PROMPTS, load_chat_prompts, render
 
 from pagedinfer.kernels import torch_ops
 from pagedinfer.service.config import EngineConfig
 from pagedinfer.service.engine import LLMEngine
+from pagedinfer.service.gguf_convert import read_header
 from pagedinfer.service.sampling_params import SamplingParams
 from pagedinfer.service.threads import openmp_spin
 
@@ -60,7 +67,18 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_GGUF_DIR = HERE / "peers" / ".gguf"
 # The files make_gguf_files.sh makes, each served by both engines.
 MADE_TYPES = ("Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q4_0")
-PAIRS = ("embedded", *MADE_TYPES, "noisy", "noisy-bf16", "bf16")
+# The real-size files make_real_gguf_files.sh makes (its default TYPES the first three),
+# named after the shaped checkpoint they come from.
+REAL_STEM = "llama-3.2-1b-shaped-bfloat16"
+REAL_TYPES = ("Q4_K_M", "Q8_0", "Q4_0", "Q4_K_S", "Q5_K_M", "Q6_K", "IQ4_XS")
+PAIRS = (
+    "embedded",
+    *MADE_TYPES,
+    *(f"1b-{kind}" for kind in REAL_TYPES),
+    "noisy",
+    "noisy-bf16",
+    "bf16",
+)
 
 
 @dataclass(frozen=True)
@@ -81,6 +99,10 @@ def default_pairs(gguf_dir: Path, stem: str) -> dict[str, Pair]:
     for kind in MADE_TYPES:
         path = gguf_dir / f"{stem}.{kind}.gguf"
         pairs[kind] = Pair(kind, str(path), path)
+    for kind in REAL_TYPES:
+        path = gguf_dir / f"{REAL_STEM}.{kind}.gguf"
+        setup = f"TYPES={kind} bash benchmarks/peers/make_real_gguf_files.sh"
+        pairs[f"1b-{kind}"] = Pair(f"1b-{kind}", str(path), path, setup)
     pairs["noisy"] = Pair("noisy", "noisy", gguf_dir / f"{stem}.F32.gguf")
     pairs["noisy-bf16"] = Pair("noisy-bf16", "noisy-bf16", gguf_dir / f"{stem}.BF16.gguf")
     pairs["bf16"] = Pair("bf16", "noisy-bf16", gguf_dir / f"{stem}.BF16.gguf", dtype="bfloat16")
@@ -157,9 +179,12 @@ def run_pagedinfer(
     serve_once(engine, prompt, args.output_tokens)
     runs = [serve_once(engine, prompt, args.output_tokens) for _ in range(args.repeats)]
     executor = engine.runner.executor
+    active = executor is not None and executor.active
     result: dict[str, Any] = {
         "weights": gguf.name if gguf else Path(pair.model).name,
-        "cpu_executor": executor.mode if executor is not None and executor.active else None,
+        "cpu_executor": executor.mode if active else None,
+        # What the fused step reads a step: the weights in the executor's own layouts.
+        "executor_weight_bytes": executor.fused.nbytes if active and executor.fused else None,
         **{key: round(statistics.median(r[key] for r in runs), 4) for key in runs[0]},
         "runs_decode_tokens_per_s": [round(r["decode_tokens_per_s"], 2) for r in runs],
     }
@@ -352,6 +377,8 @@ def run_pair(pair: Pair, prompt: list[int], args: argparse.Namespace, say) -> di
     if args.server:
         say(f"{pair.name}: llama-server on {gguf.name} ...")
         entry["llama_server"] = run_llama_server(gguf, prompt, args)
+    if gguf.suffix == ".gguf" and gguf.stat().st_size:
+        add_read_rates(entry, gguf, args.read_bandwidth)
     theirs = entry["llama_bench"].get("decode_tokens_per_s")
     if theirs:
         entry["decode_ratio_vs_llama_bench"] = round(ours["decode_tokens_per_s"] / theirs, 2)
@@ -361,6 +388,19 @@ def run_pair(pair: Pair, prompt: list[int], args: argparse.Namespace, say) -> di
             ours["end_to_end_output_tokens_per_s"] / server, 2
         )
     return entry
+
+
+def add_read_rates(entry: dict[str, Any], gguf: Path, bandwidth: float) -> None:
+    """The bytes of the file's tensors (each read once a decode step: the tied LM head is
+    the embedding) and, for each engine, the rate its decode reads them at and that
+    rate's share of the machine's read bandwidth (bytes/s)."""
+    file_bytes = sum(t.nbytes for t in read_header(gguf).tensors.values())
+    entry["file_weight_bytes"] = file_bytes
+    for engine in ("pagedinfer", "llama_bench"):
+        rate = entry.get(engine, {}).get("decode_tokens_per_s")
+        if rate:
+            entry[engine]["file_gb_per_s"] = round(file_bytes * rate / 1e9, 2)
+            entry[engine]["share_of_read_bandwidth"] = round(file_bytes * rate / bandwidth, 3)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -416,12 +456,15 @@ def main(argv: list[str] | None = None) -> int:
         AutoTokenizer.from_pretrained(tokenizer_dir), chat[args.prompt_index]["messages"]
     )
     gflops = matmul_gflops(torch.float32)
+    args.read_bandwidth = read_bandwidth()
     results: dict[str, Any] = {
         "machine": {
             "cpu": cpu_name(),
             "threads": args.threads,
             "openmp_spin": openmp_spin(),
             "matmul_gflops_fp32": round(gflops, 1),
+            # Bytes/s a reduction over 1 GiB reads at `threads` threads (throughput.py's).
+            "read_gb_per_s": round(args.read_bandwidth / 1e9, 2),
             "load_average_at_start": round(os.getloadavg()[0], 2),
         },
         "versions": versions(args.llamacpp_dir),

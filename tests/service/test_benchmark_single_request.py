@@ -114,3 +114,30 @@ def test_a_pairs_missing_file_is_skipped_with_how_to_make_it(tmp_path):
     _, args = single_request.parse_args(["--llamacpp-dir", str(tmp_path)])
     entry = single_request.run_pair(pairs["Q4_K_M"], [1, 2, 3], args, print)
     assert "make_gguf_files.sh" in entry["skipped"]
+    real = pairs["1b-Q4_K_M"]
+    assert real.gguf.name == f"{single_request.REAL_STEM}.Q4_K_M.gguf"
+    entry = single_request.run_pair(real, [1, 2, 3], args, print)
+    assert "TYPES=Q4_K_M bash benchmarks/peers/make_real_gguf_files.sh" in entry["skipped"]
+
+
+def test_each_engines_decode_rate_is_also_the_rate_it_reads_the_files_tensors(tmp_path):
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "two.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((64, 32), dtype=np.float32))  # 8 KiB
+    writer.add_tensor("output_norm.weight", np.zeros(32, dtype=np.float32))  # 128 bytes
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    entry = {
+        "pagedinfer": {"decode_tokens_per_s": 100.0},
+        "llama_bench": {"skipped": "no llama-bench"},
+    }
+    single_request.add_read_rates(entry, path, bandwidth=4e6)
+    assert entry["file_weight_bytes"] == 64 * 32 * 4 + 32 * 4
+    assert entry["pagedinfer"]["file_gb_per_s"] == round(8320 * 100 / 1e9, 2)
+    assert entry["pagedinfer"]["share_of_read_bandwidth"] == round(8320 * 100 / 4e6, 3)
+    assert entry["llama_bench"] == {"skipped": "no llama-bench"}
