@@ -123,6 +123,20 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
     return getattr(torch, choice.dtype)
 
 
+def _fork_of(parent: Request, group: _Group, index: int) -> Request:
+    """The request of the group's sample (or beam slot) `index`, forked from `parent`: it
+    shares the parent's blocks once the scheduler forks it."""
+    child = Request(
+        request_id=sample_request_id(group.request_id, index),
+        prompt_token_ids=group.prompt_token_ids,
+        sampling_params=group.params,
+        arrival_time=parent.arrival_time,
+        cache_salt=group.cache_salt,
+    )
+    child.parent_id, child.index = parent.request_id, index
+    return child
+
+
 class LLMEngine:
     """Requests in, deltas out, one step at a time; one thread steps it."""
 
@@ -487,14 +501,7 @@ class LLMEngine:
                 continue
             for parent_slot, slot, token in step.forks:
                 parent = requests[parent_slot]
-                child = Request(
-                    request_id=sample_request_id(group.request_id, slot),
-                    prompt_token_ids=group.prompt_token_ids,
-                    sampling_params=group.params,
-                    arrival_time=parent.arrival_time,
-                    cache_salt=group.cache_salt,
-                )
-                child.parent_id, child.index = parent.request_id, slot
+                child = _fork_of(parent, group, slot)
                 for earlier in parent.output_token_ids:
                     child.append_output_token(earlier)
                 child.append_output_token(token)
@@ -564,14 +571,7 @@ class LLMEngine:
 
     def _child(self, parent: Request, group: _Group, index: int) -> Request:
         """Sample `index` of the group, about to fork from its first sample."""
-        child = Request(
-            request_id=sample_request_id(group.request_id, index),
-            prompt_token_ids=group.prompt_token_ids,
-            sampling_params=group.params,
-            arrival_time=parent.arrival_time,
-            cache_salt=group.cache_salt,
-        )
-        child.parent_id, child.index = parent.request_id, index
+        child = _fork_of(parent, group, index)
         group.samples[index] = self._new_sample(child, group, index)
         return child
 
