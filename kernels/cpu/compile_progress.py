@@ -1,8 +1,7 @@
 """Progress of the warm-up that compiles the CPU kernels, logged at info level.
 
-A first start on a new machine, block size or weight kinds compiles for minutes (in a
-child process, while the torch forward serves; a model of new shapes loads the kernels
-another one compiled): the log says which warm-up step runs, each kernel numba finished
+A first start on a new model shape compiles for minutes (in a child process, while the
+torch forward serves): the log says which warm-up step runs, each kernel numba finished
 compiling, and every `HEARTBEAT_S` seconds what it is at, with the seconds since the
 warm-up began, so that an operator sees it move. Kernels loaded from numba's disk cache
 are not compiled and log nothing.

@@ -38,8 +38,6 @@ from pagedinfer.kernels.cpu.numba_support import (
     cache_array,
     cycle_counter,
     jit,
-    layer_addresses,
-    layer_view,
     run_jobs,
 )
 
@@ -243,13 +241,12 @@ class StepShape:
 
 @dataclass(frozen=True)
 class CacheArrays:
-    """A model's KV caches as the fused step takes them: the first layer's K (and V) cache
-    as a numpy view and every layer's data address (`numba_support.layer_view`), so that
-    one compiled step serves any number of layers (`cache_arrays`)."""
+    """A model's KV caches as the fused step takes them: numpy views of each layer's K
+    and V cache (`cache_arrays`)."""
 
     caches: tuple[tuple[torch.Tensor, torch.Tensor], ...]
-    keys: tuple[np.ndarray, np.ndarray]
-    values: tuple[np.ndarray, np.ndarray]
+    keys: tuple[np.ndarray, ...]
+    values: tuple[np.ndarray, ...]
 
 
 def views_of(known: CacheArrays, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> bool:
@@ -268,12 +265,10 @@ def cache_arrays(
     less than making a view of every layer's caches each step."""
     if known is not None and views_of(known, kv_caches):
         return known
-    keys = [cache_array(k) for k, _ in kv_caches]
-    values = [cache_array(v) for _, v in kv_caches]
     return CacheArrays(
         tuple((k, v) for k, v in kv_caches),
-        (keys[0], layer_addresses(keys)),
-        (values[0], layer_addresses(values)),
+        tuple(cache_array(k) for k, _ in kv_caches),
+        tuple(cache_array(v) for _, v in kv_caches),
     )
 
 
@@ -525,12 +520,9 @@ def fused_forward(
 
 
 _NO_PROFILE = np.zeros((1, len(PHASES), 2), dtype=np.int64)
-# The head dims one compiled step serves together, so that a model of any of them runs on
-# the step another one compiled: SmolLM2, Llama 3.2 and Qwen2 have 64; Qwen3, Phi-3 and
-# most 7-8B models 128; Gemma 3 256.
-HEAD_DIMS = (64, 128, 256)
 
 
+@functools.cache
 def _kernel(
     shape: StepShape,
     kinds: tuple[str, ...],
@@ -539,63 +531,31 @@ def _kernel(
     num_layers: int,
     profiled: bool = False,
 ) -> Callable[..., None]:
-    """The compiled step for a model's positions' kinds (compiled, or loaded from the
-    cache, on first call); profiled: counting each phase's cycles into its `prof`
-    argument. Only the block size and head dims (the attention kernels' lane widths) are
-    compiled in: the other widths and the number of layers are read from the arrays, so
-    models of other shapes share the step (up to `paged_decode.HEADS` heads and
-    `paged_verify.KV_HEADS` KV heads), and one step holds the attention kernels of every
-    head dim of HEAD_DIMS (another head dim gets a step of its own)."""
-    head_dims = HEAD_DIMS if shape.head_dim in HEAD_DIMS else (shape.head_dim,)
-    in_features = (shape.hidden, shape.num_heads * shape.head_dim, shape.hidden)
-    in_features += (shape.intermediate, shape.hidden)
-    chains = tuple(
-        (grid_gemm.chain_ends(k, order.ends), order.fused)
-        for k, order in zip(in_features, orders, strict=True)
-    )
-    return _step_kernel(
-        shape.block_size,
-        head_dims,
-        paged_decode.kernel_heads(shape.num_heads),
-        paged_verify.kernel_kv_heads(shape.num_kv_heads),
-        kinds,
-        second_kinds,
-        chains,
-        profiled,
-    )
-
-
-def _chain_gemm(kind: str, chain: tuple[tuple[int, ...], bool], silu: bool) -> Callable[..., None]:
-    """`grid_gemm.gemm_all_rows` for a chain of `grid_gemm.chain_ends` (() : any K)."""
-    ends, fused = chain
-    return grid_gemm.gemm_all_rows(kind, ends[-1] if ends else 0, ends or (0,), fused, silu)
-
-
-@functools.cache
-def _step_kernel(
-    block_size: int,
-    head_dims: tuple[int, ...],
-    most_heads: int,
-    most_kv_heads: int,
-    kinds: tuple[str, ...],
-    second_kinds: tuple[str | None, ...],
-    chains: tuple[tuple[tuple[int, ...], bool], ...],
-    profiled: bool,
-) -> Callable[..., None]:
-    """`_kernel`'s step, for what it compiles in."""
+    """The compiled step for one model shape and its positions' kinds (compiled, or loaded
+    from the cache, on first call); profiled: counting each phase's cycles into its `prof`
+    argument."""
+    nh, nkv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    hidden_tiles = shape.hidden // grid_gemm.LANES
+    qkv_tiles = (nh + 2 * nkv) * d // grid_gemm.LANES
+    act_tiles = shape.intermediate // grid_gemm.LANES
+    vocab_tiles = shape.vocab // grid_gemm.LANES
     lanes = grid_gemm.LANES
+    slots_per_layer = nkv * d
 
-    def gemm(i: int, silu: bool = False) -> Callable[..., None]:
-        return _chain_gemm(kinds[i], chains[i], silu)
+    def gemm(i: int, in_features: int, silu: bool = False) -> Callable[..., None]:
+        order = orders[i]
+        return grid_gemm.gemm_all_rows(kinds[i], in_features, order.ends, order.fused, silu)
 
-    def layer_gemm(i: int, silu: bool = False) -> Callable[..., None]:
+    def layer_gemm(i: int, in_features: int, silu: bool = False) -> Callable[..., None]:
         """gemm(x, codes, scales, second_codes, second_scales, slot, out, add, worker,
         workers): one layer's GEMM at position i, in the kind its `slot` says (with one
         kind, the second branch is never taken)."""
-        first = gemm(i, silu)
+        first, order = gemm(i, in_features, silu), orders[i]
         second = first
         if second_kinds[i] is not None:
-            second = _chain_gemm(second_kinds[i], chains[i], silu)
+            second = grid_gemm.gemm_all_rows(
+                second_kinds[i], in_features, order.ends, order.fused, silu
+            )
 
         @jit(inline="always", nogil=True)
         def in_its_kind(
@@ -618,50 +578,14 @@ def _step_kernel(
 
         return in_its_kind
 
-    qkv_gemm = layer_gemm(0)
-    o_gemm = layer_gemm(1)
-    gate_up_gemm = layer_gemm(2, silu=True)  # gives silu(gate) * up
-    down_gemm = layer_gemm(3)
-    lm_gemm = gemm(4)
-    lm_ends, lm_fused = chains[4]
-    quantize, approximate, pick = greedy_argmax.phase_kernels(
-        lm_ends[-1] if lm_ends else 0, grid_gemm.SumOrder(lm_ends or (0,), lm_fused), kinds[4]
-    )
-    # The attention kernels of each head dim (up to three; fewer repeat the first).
-    dims = (*head_dims, *(head_dims[:1] * (3 - len(head_dims))))
-    (decode0, verify0), (decode1, verify1), (decode2, verify2) = (
-        (
-            paged_decode.compiled_kernel(block_size, most_heads, 1, dim),
-            paged_verify.compiled_kernel(block_size, 1, most_kv_heads, dim),
-        )
-        for dim in dims
-    )
-    dim1, dim2 = dims[1], dims[2]
-
-    @jit(inline="always", nogil=True)
-    def attend(
-        query: np.ndarray,
-        k_cache: np.ndarray,
-        v_cache: np.ndarray,
-        d_args: tuple[np.ndarray, np.ndarray, np.ndarray],
-        r_args: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
-        scale: np.float32,
-        out: np.ndarray,
-        worker: int,
-        workers: int,
-    ) -> None:
-        """The decodes' and runs' attention, by the kernels of the query's head dim."""
-        d = query.shape[2]
-        if d == dim1:
-            decode1(query, k_cache, v_cache, *d_args, scale, out, worker, workers)
-            verify1(query, k_cache, v_cache, *r_args, scale, out, worker, workers)
-        elif d == dim2:
-            decode2(query, k_cache, v_cache, *d_args, scale, out, worker, workers)
-            verify2(query, k_cache, v_cache, *r_args, scale, out, worker, workers)
-        else:
-            decode0(query, k_cache, v_cache, *d_args, scale, out, worker, workers)
-            verify0(query, k_cache, v_cache, *r_args, scale, out, worker, workers)
-
+    qkv_gemm = layer_gemm(0, shape.hidden)
+    o_gemm = layer_gemm(1, nh * d)
+    gate_up_gemm = layer_gemm(2, shape.hidden, silu=True)  # gives silu(gate) * up
+    down_gemm = layer_gemm(3, shape.intermediate)
+    lm_gemm = gemm(4, shape.hidden)
+    quantize, approximate, pick = greedy_argmax.phase_kernels(shape.hidden, orders[4], kinds[4])
+    decode = paged_decode.compiled_kernel(shape.block_size, nh, nkv, d)
+    verify = paged_verify.compiled_kernel(shape.block_size, nh, nkv, d)
     rms_norm, rope_write_kv = layer_ops.rms_norm_rows, layer_ops.rope_write_kv_rows
 
     @jit(inline="always", nogil=True)
@@ -765,11 +689,6 @@ def _step_kernel(
     ) -> None:
         mark = cycle_counter() if profiled else 0
         tokens = hidden.shape[0]
-        nh, nkv, d = query.shape[1], k_caches[0].shape[2], query.shape[2]
-        slots_per_layer = nkv * d
-        num_layers = norms.shape[0]
-        hidden_tiles, qkv_tiles = hidden.shape[1] // lanes, qkv.shape[1] // lanes
-        act_tiles, vocab_tiles = act.shape[1] // lanes, logits.shape[1] // lanes
         hidden_out = hidden.reshape(tokens, hidden_tiles, lanes)
         qkv_out = qkv.reshape(tokens, qkv_tiles, lanes)
         act_out = act.reshape(tokens, act_tiles, lanes)
@@ -779,8 +698,7 @@ def _step_kernel(
         # Each worker's share of the rows for the ops that work row by row.
         lo, hi = tokens * worker // workers, tokens * (worker + 1) // workers
         for layer in range(num_layers):
-            k_cache = layer_view(k_caches[0], k_caches[1], layer)
-            v_cache = layer_view(v_caches[0], v_caches[1], layer)
+            k_cache, v_cache = k_caches[layer], v_caches[layer]
             rms_norm(hidden[lo:hi], norms[layer, 0], eps, normed[lo:hi])
             passed, mark = end_phase(
                 sync, workers, passed, prof, worker, _START if layer == 0 else _NORM, mark
@@ -822,12 +740,17 @@ def _step_kernel(
             passed, mark = end_phase(sync, workers, passed, prof, worker, _ROPE, mark)
             if sync[1] != 0:
                 return
-            attend(
+            decode(
+                query, k_cache, v_cache, d_rows, d_tables, d_lens, scale, attn_out, worker, workers
+            )
+            verify(
                 query,
                 k_cache,
                 v_cache,
-                (d_rows, d_tables, d_lens),
-                (r_rows, r_counts, r_tables, r_lens),
+                r_rows,
+                r_counts,
+                r_tables,
+                r_lens,
                 scale,
                 attn_out,
                 worker,

@@ -320,16 +320,11 @@ def no_args(codes: np.ndarray, scales: np.ndarray) -> tuple[Any, ...]:
     )
 
 
+@functools.cache
 def argmax_kernel(in_features: int, order: grid_gemm.SumOrder, kind: str) -> Callable[..., None]:
     """argmax(x, *weights_args, *Scratch.args, tokens, sync, worker, workers): the three
-    phases over every row of x, the workers meeting at a barrier between them (one
-    compiled kernel for every in_features summed in one chain: `grid_gemm.chain_ends`)."""
-    return _argmax_kernel(grid_gemm.chain_ends(in_features, order.ends), order.fused, kind)
-
-
-@functools.cache
-def _argmax_kernel(ends: tuple[int, ...], fused: bool, kind: str) -> Callable[..., None]:
-    quantize, approximate, pick = _phase_kernels(ends, fused, kind)
+    phases over every row of x, the workers meeting at a barrier between them."""
+    quantize, approximate, pick = phase_kernels(in_features, order, kind)
 
     @jit(nogil=True, error_model="numpy")
     def argmax(
@@ -384,33 +379,25 @@ def _argmax_kernel(ends: tuple[int, ...], fused: bool, kind: str) -> Callable[..
     return argmax
 
 
+@functools.cache
 def phase_kernels(
     in_features: int, order: grid_gemm.SumOrder, kind: str
 ) -> tuple[Callable[..., Any], Callable[..., None], Callable[..., None]]:
     """The three phases for rows of in_features inputs whose exact logits are summed in
     `order` over an LM head of `kind`, each taking (..., worker, workers) and doing its
     worker's share: quantize and pick a share of the rows, approximate a share of the
-    tile groups. The arrays' shapes give in_features: summed in one chain, the same
-    kernels serve every in_features (`grid_gemm.chain_ends`)."""
-    return _phase_kernels(grid_gemm.chain_ends(in_features, order.ends), order.fused, kind)
-
-
-@functools.cache
-def _phase_kernels(
-    ends: tuple[int, ...], fused: bool, kind: str
-) -> tuple[Callable[..., Any], Callable[..., None], Callable[..., None]]:
-    # ends[-1] where the exact logits sum in parts; else any K whose one chain `gemm_kernel`
-    # compiles to the kernel that reads K from the codes.
-    exact_group = grid_gemm.gemm_kernel(kind, 1, ends[-1] if ends else 0, ends or (0,), fused)
+    tile groups."""
+    k, blocks = in_features, in_features // BLOCK
+    exact_group = grid_gemm.gemm_kernel(kind, 1, k, order.ends, order.fused)
     # Plain Python numbers: the kernels' disk-cache keys pickle their closures.
     code_max, offset = float(ROW_CODE_MAX), ROW_CODE_MAX + 1
     # A candidate's exact logit comes with those of the tiles one pass takes: one tile
     # where a pass takes one (AVX2), else a group of TILE_GROUP.
     exact_tiles = grid_gemm.tiles_per_group(1)
     group_outputs = exact_tiles * LANES
-    by_rows = [_approx_rows(rows) for rows in range(1, ROWS + 1)]
+    by_rows = [_approx_rows(rows, k) for rows in range(1, ROWS + 1)]
     a1, a2, a3, a4, a5, a6 = by_rows
-    single = _approx_rows(1, tiles=1)  # a tile left over, a row at a time
+    single = _approx_rows(1, k, tiles=1)  # a tile left over, a row at a time
 
     @jit(nogil=True, error_model="numpy")
     def quantize(
@@ -423,8 +410,7 @@ def _phase_kernels(
         worker: int,
         workers: int,
     ) -> None:
-        rows, k = x.shape[0], x.shape[1]
-        blocks = k // BLOCK
+        rows = x.shape[0]
         for r in range(rows * worker // workers, rows * (worker + 1) // workers):
             square = 0.0  # float64: ||h||^2
             finite = True
@@ -517,7 +503,7 @@ def _phase_kernels(
         worker: int,
         workers: int,
     ) -> None:
-        rows, blocks = x.shape[0], x.shape[1] // BLOCK
+        rows = x.shape[0]
         vocab = approx.shape[1] * LANES
         for r in range(rows * worker // workers, rows * (worker + 1) // workers):
             tokens[r] = -1
@@ -590,14 +576,16 @@ def _phase_kernels(
     return quantize, approximate, pick
 
 
-def _approx_rows(rows: int, tiles: int = TILES) -> Callable[..., None]:
+def _approx_rows(rows: int, in_features: int, tiles: int = TILES) -> Callable[..., None]:
     """approx(words, row_scales, codes, offsets, scales, out, maxima, r0, t0, ahead): the
     approximate logits of rows r0 .. r0 + rows - 1 for tiles t0 .. t0 + tiles - 1: per
     block, the 32-bit sum of code products (the row's codes offset by 128, hence the
     block's offset), times d * s, summed over the blocks in fp32; maxima[r]: the largest
     so far in each lane. Each block also prefetches the same block of tiles ahead ..
-    ahead + tiles - 1. The codes' shape gives the inputs."""
+    ahead + tiles - 1."""
     words_per_block = BLOCK // 4
+    words_per_tile = in_features // 4
+    blocks = in_features // BLOCK
 
     @jit(nogil=True, error_model="numpy", inline="always")
     def approx(
@@ -612,8 +600,6 @@ def _approx_rows(rows: int, tiles: int = TILES) -> Callable[..., None]:
         t0: int,
         ahead: int,
     ) -> None:
-        words_per_tile = codes.shape[1]
-        blocks = words_per_tile // words_per_block
         total = stack_array((rows, tiles, LANES))
         sums = int_stack_array((rows, tiles, LANES))
         scale = stack_array((LANES,))

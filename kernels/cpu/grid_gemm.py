@@ -622,13 +622,7 @@ def _paired_tile(group: int, b: int, half: int, tiles: int) -> int:
     return tiles // 2 + group * half + b - half
 
 
-def chain_ends(in_features: int, ends: tuple[int, ...]) -> tuple[int, ...]:
-    """The part ends a kernel is compiled for: () for one chain over every input (the
-    `fixed_order` every model sums in), whose length the kernel reads from its weight's
-    codes, so that one compiled kernel serves every in_features; else the ends themselves."""
-    return () if tuple(ends) == (in_features,) else tuple(ends)
-
-
+@functools.cache
 def gemm_kernel(
     kind: str,
     rows: int,
@@ -655,28 +649,17 @@ def gemm_kernel(
     takes as many tiles of the gate as of up, the same outputs of each, and out gets
     silu(gate) * up (`layer_ops.silu_times`, as `silu_mul` computes it from the product),
     gate tile j into out tile `first` + j (add unused). The product itself is never
-    written: each worker takes the SiLU of its own tiles while they are in registers.
-
-    The codes' shape gives K: one compiled kernel serves weights of every in_features
-    summed in one chain (`chain_ends`)."""
-    if kind == BF16_DOT and (not fused or any(end % 2 for end in ends)):
+    written: each worker takes the SiLU of its own tiles while they are in registers."""
+    k, parts = in_features, len(ends)
+    paired = kind == BF16_DOT  # x: int32 [M, K / 2], each input pair's bf16s (`bf16_pairs`)
+    if paired and (not fused or any(end % 2 for end in ends)):
         raise ValueError(f"{BF16_DOT} GEMMs sum input pairs in fused chains, not {ends}")
     tb = group_tiles or tiles_per_group(rows, silu, kind)
-    return _gemm_kernel(kind, rows, chain_ends(in_features, ends), fused, silu, tb)
-
-
-@functools.cache
-def _gemm_kernel(
-    kind: str, rows: int, ends: tuple[int, ...], fused: bool, silu: bool, tb: int
-) -> Callable[..., None]:
-    """`gemm_kernel` for part ends `ends` (() : one chain over K) and tb tiles a group."""
-    paired = kind == BF16_DOT  # x: int32 [M, K / 2], each input pair's bf16s (`bf16_pairs`)
-    whole = not ends  # one chain over every input, K read from the codes
-    parts = max(1, len(ends))
-    bounds = ends or (0,)
     steps = 2 if kind in (AFFINE4, BF16_DOT) else 1
     scaled = kind not in DENSE  # weights on no grid have no scales
     block = block_of(kind)
+    blocks = k // block
+    code_row = k // steps * LANES  # codes of one tile
     half = tb // 2  # with silu: the group's gate tiles, then as many of up
     values = half * rows * LANES  # with silu: the group's outputs
     streamed = kind in IN_PLACE
@@ -723,9 +706,6 @@ def _gemm_kernel(
         worker: int,
         workers: int,
     ) -> None:
-        k = codes.shape[1] * steps
-        blocks = k // block
-        code_row = k // steps * LANES  # codes of one tile
         total = stack_array((tb, rows, LANES))
         acc = stack_array((tb, rows, LANES))
         w = stack_array((tb, 2, LANES))
@@ -742,7 +722,7 @@ def _gemm_kernel(
                     lanes_copy(total[b, r], 0.0, LANES)
             start = 0
             for p in range(parts):
-                end = k if whole else bounds[p]
+                end = ends[p]
                 for b in range(tb):
                     for r in range(rows):
                         lanes_copy(acc[b, r], 0.0, LANES)
@@ -806,6 +786,7 @@ def tiles_per_group(rows: int, silu: bool = False, kind: str = "") -> int:
     return TILE_GROUP if rows <= widest else TILE_GROUP // 2
 
 
+@functools.cache
 def gemm_all_rows(
     kind: str, in_features: int, ends: tuple[int, ...], fused: bool, silu: bool = False
 ) -> Callable[..., None]:
@@ -820,24 +801,14 @@ def gemm_all_rows(
     share of the rows of the groups that do not divide evenly among them.
 
     silu: out [M, out_features / 32, 16] gets silu(gate) * up of the product of a [gate |
-    up] weight, as `gemm_kernel` gives it.
-
-    Like `gemm_kernel`, one compiled kernel serves every in_features summed in one chain."""
-    if kind == BF16_DOT and (not fused or any(end % 2 for end in ends)):
-        raise ValueError(f"{BF16_DOT} GEMMs sum input pairs in fused chains, not {ends}")
-    return _gemm_all_rows(kind, chain_ends(in_features, ends), fused, silu)
-
-
-@functools.cache
-def _gemm_all_rows(
-    kind: str, ends: tuple[int, ...], fused: bool, silu: bool
-) -> Callable[..., None]:
-    """`gemm_all_rows` for part ends `ends` (() : one chain over K, read from the codes)."""
-    steps = 2 if kind in (AFFINE4, BF16_DOT) else 1
+    up] weight, as `gemm_kernel` gives it."""
+    k, steps = in_features, 2 if kind in (AFFINE4, BF16_DOT) else 1
+    code_row = k // steps * LANES
     block = block_of(kind)
+    blocks = k // block
     scaled = kind not in DENSE
     most, scratch_rows = row_limits(silu, kind)
-    one_pass = _by_rows(kind, ends, fused, silu, most)
+    one_pass = _by_rows(kind, k, ends, fused, silu, most)
     half = TILE_GROUP // 2  # with silu: a group's gate tiles, then as many of up
     # fp32 weights are already what the scratch would hold: the rows run over the weight's
     # own tiles, with no copy, as many tiles at once as `tiles_per_group` gives for their
@@ -854,7 +825,7 @@ def _gemm_all_rows(
     if in_place:
         scratch_tiles = min(scratch_tiles, half) if silu else 0
     over_scratch = _by_rows(
-        kind if in_place else REBUILT, ends, fused, False, scratch_rows, scratch_tiles
+        kind if in_place else REBUILT, k, ends, fused, False, scratch_rows, scratch_tiles
     )
     halves = silu and scratch_tiles <= half
     scratch_tiles_held = 0 if in_place else TILE_GROUP
@@ -870,8 +841,6 @@ def _gemm_all_rows(
             if silu:
                 return codes, group * half, tiles // 2 + group * half
             return codes, group * TILE_GROUP, group * TILE_GROUP
-        k = w.shape[1]
-        blocks, code_row = k // block, k // steps * LANES
         for b in range(TILE_GROUP):
             t = _paired_tile(group, b, half, tiles) if silu else group * TILE_GROUP + b
             for i0 in range(0, k, block):
@@ -918,8 +887,7 @@ def _gemm_all_rows(
         # ones each, the ninth split by rows).
         groups = tiles // TILE_GROUP
         whole = groups - groups % workers
-        # The scratch a group is rebuilt into (K varies by weight: on the heap, once a call).
-        w = np.empty((scratch_tiles_held, codes.shape[1] * steps, LANES), np.float32)
+        w = stack_array((scratch_tiles_held, k, LANES))
         dm = stack_array((2, LANES))
         # With silu: the product's gate and up outputs [2, M, half, 16], so that a block
         # of rows takes its SiLU in one call (and, where a pass takes the whole group,
@@ -1001,6 +969,7 @@ def _silu_rows(
 @functools.cache
 def _by_rows(
     kind: str,
+    in_features: int,
     ends: tuple[int, ...],
     fused: bool,
     silu: bool = False,
@@ -1008,14 +977,13 @@ def _by_rows(
     group_tiles: int = 0,
 ) -> Callable[..., None]:
     """run(rows, *args): `gemm_kernel`(kind, rows, ...)(*args) for 1 <= rows <= most (at
-    most IN_PLACE_ROWS; the kernel compiled for that many rows, nothing for other counts),
-    for part ends `ends` (`chain_ends`). Kernels are shared with every other caller asking
-    for the same rows and tiles."""
+    most IN_PLACE_ROWS; the kernel compiled for that many rows, nothing for other counts).
+    Kernels are shared with every other caller asking for the same rows and tiles."""
 
     def kernel(rows: int) -> Callable[..., None]:
         rows = min(rows, most)  # past `most`, the kernel for `most` (never called)
         tiles = group_tiles or tiles_per_group(rows, silu, kind)
-        return _gemm_kernel(kind, rows, ends, fused, silu, tiles)
+        return gemm_kernel(kind, rows, in_features, ends, fused, silu, tiles)
 
     k1, k2, k3, k4, k5, k6, k7, k8, k9, k10, k11, k12 = (
         kernel(rows) for rows in range(1, IN_PLACE_ROWS + 1)

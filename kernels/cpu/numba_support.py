@@ -614,49 +614,6 @@ def _is_int64_vector(t: Any) -> bool:
 
 
 @intrinsic
-def layer_view(typingctx: Any, like: Any, addresses: Any, index: Any) -> Any:
-    """The array at addresses[index] (int64 data addresses), of `like`'s type, shape and
-    strides: one layer's KV cache from the first layer's and every layer's address. A
-    kernel that takes the caches so compiles once for any number of layers (a tuple of
-    them is a type of its own per length). The caller keeps the arrays alive; the view
-    holds no reference."""
-    if not (
-        isinstance(like, types.Array)
-        and like.layout == "C"
-        and _is_int64_vector(addresses)
-        and isinstance(index, types.Integer)
-    ):
-        return None
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        template = context.make_array(signature.args[0])(context, builder, args[0])
-        at = context.cast(builder, args[2], signature.args[2], types.intp)
-        address = builder.load(_int64_element(context, builder, signature.args[1], args[1], at))
-        view = context.make_array(signature.return_type)(context, builder)
-        populate_array(
-            view,
-            data=builder.inttoptr(address, template.data.type),
-            shape=template.shape,
-            strides=template.strides,
-            itemsize=template.itemsize,
-            meminfo=None,
-        )
-        return view._getvalue()
-
-    return like(like, addresses, index), codegen
-
-
-def layer_addresses(arrays: Sequence[np.ndarray]) -> np.ndarray:
-    """The data addresses of arrays of one type and shape, as `layer_view` reads them."""
-    first = arrays[0]
-    if any(a.dtype != first.dtype or a.shape != first.shape for a in arrays):
-        raise ValueError("layer_addresses: the arrays differ in type or shape")
-    if not all(a.flags.c_contiguous for a in arrays):
-        raise ValueError("layer_addresses: the arrays must be C-contiguous")
-    return np.array([a.ctypes.data for a in arrays], dtype=np.int64)
-
-
-@intrinsic
 def atomic_add(typingctx: Any, array: Any, index: Any, value: Any) -> Any:
     """array.flat[index] += value as one atomic operation (sequentially consistent: what
     this thread wrote before is visible to a thread that sees the new count)."""

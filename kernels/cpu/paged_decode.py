@@ -7,10 +7,8 @@ every K/V row once, with an online softmax across blocks. Only slots below a seq
 length are read: stale slots of its last block, which may hold another request's NaN,
 never enter the sums.
 
-One kernel is compiled per (block size, head dim): with those fixed, LLVM unrolls and
-vectorises the head-dim loops. The heads and KV heads are read from the arrays, so models
-of any widths share it (up to HEADS query heads; more get a kernel of their own). It is
-cached on disk (`numba_support.jit`).
+One kernel is compiled per (block size, heads, KV heads, head dim): with those fixed,
+LLVM unrolls and vectorises the head-dim loops. It is cached on disk (`numba_support.jit`).
 The kernel releases the GIL: the decodes, which the caller sorts by length, are dealt in
 a snake (`numba_support.snake_task`) to as many threads as torch uses, so each gets a
 similar share.
@@ -46,7 +44,6 @@ from pagedinfer.kernels.cpu.numba_support import (
     attention_job,
     exp_into,
     fp32_cpu,
-    int_stack_array,
     jit,
     lanes_add,
     lanes_copy,
@@ -62,9 +59,6 @@ from pagedinfer.kernels.cpu.numba_support import (
 
 # A score's products are summed in this many parts (part i: dims i, i + DOT_PARTS, ...).
 DOT_PARTS = 8
-# The query heads the kernel's stack scratch holds: one kernel serves every model with up
-# to this many (more: rounded up to whole 16-lane vectors, a kernel per size).
-HEADS = 64
 
 
 def sum_slots(block_size: int) -> int:
@@ -136,24 +130,16 @@ def decode_job(
     return attention_job(compiled_kernel, query, k_cache, v_cache, tasks, scale, out)
 
 
+@functools.cache
 def compiled_kernel(
     block_size: int, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> Callable[..., Any]:
-    """The kernel for a block size and head dim (compiled, or loaded from the cache, on
-    first call); it reads the heads and KV heads from its arrays."""
-    return _compiled_kernel(block_size, head_dim, kernel_heads(num_heads))
-
-
-def kernel_heads(num_heads: int) -> int:
-    """The query heads the kernel serving num_heads is compiled for (HEADS, or more)."""
-    return max(HEADS, (num_heads + 15) // 16 * 16)
-
-
-@functools.cache
-def _compiled_kernel(block_size: int, head_dim: int, most_heads: int) -> Callable[..., Any]:
-    """The kernel for up to most_heads query heads (a multiple of 16)."""
-    bs, d = block_size, head_dim
+    """The kernel for one model shape (compiled, or loaded from the cache, on first call)."""
+    bs, nh, d = block_size, num_heads, head_dim
+    group = num_heads // num_kv_heads
+    width = num_kv_heads * head_dim  # one position's K (or V) row
     slots = sum_slots(block_size)
+    heads = (num_heads + 15) // 16 * 16  # per-head state in whole 16-lane vectors
 
     @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
     def kernel(
@@ -172,22 +158,14 @@ def _compiled_kernel(block_size: int, head_dim: int, most_heads: int) -> Callabl
         # 64-byte aligned), which heap scratch is not: the kernel ran slower with it.
         # Per head (the spare lanes past num_heads stay 0): the running max, denominator
         # and a block's max, max change, rescale factor and sum of probabilities.
-        nh, nkv = q.shape[1], k_cache.shape[2]
-        group = nh // nkv
-        width = nkv * d  # one position's K (or V) row
-        heads = (nh + 15) // 16 * 16  # per-head state in whole 16-lane vectors
-        m, den = stack_array((most_heads,)), stack_array((most_heads,))
-        top, diff = stack_array((most_heads,)), stack_array((most_heads,))
-        rescale, sums = stack_array((most_heads,)), stack_array((most_heads,))
+        m, den = stack_array((heads,)), stack_array((heads,))
+        top, diff = stack_array((heads,)), stack_array((heads,))
+        rescale, sums = stack_array((heads,)), stack_array((heads,))
         for state in (m, den, top, diff, rescale, sums):
-            for h0 in range(0, heads, 16):
-                lanes_copy(state[h0 : h0 + 16], 0.0, 16)
-        kv_head = int_stack_array((most_heads,))  # each query head's KV head
-        for h in range(nh):
-            kv_head[h] = h // group
-        acc = stack_array((most_heads, d))
-        qs = stack_array((most_heads, d))
-        probs = stack_array((most_heads, slots))  # scores, then probabilities
+            lanes_copy(state, 0.0, heads)
+        acc = stack_array((nh, d))
+        qs = stack_array((nh, d))
+        probs = stack_array((nh, slots))  # scores, then probabilities
         shifted = stack_array((slots,))
         row_out = stack_array((d,))
         bits = np.empty(max(slots, heads), dtype=np.int32)
@@ -201,8 +179,8 @@ def _compiled_kernel(block_size: int, head_dim: int, most_heads: int) -> Callabl
             following = snake_task(turn + 1, worker, workers)  # this worker's next task
             length = seq_lens[s]
             query_row = rows[s]
-            for h in range(nh):
-                m[h], den[h] = -np.inf, 0.0
+            lanes_copy(m[:nh], -np.inf, nh)
+            lanes_copy(den[:nh], 0.0, nh)
             for h in range(nh):
                 lanes_copy(acc[h], 0.0, d)
                 for j in range(d):
@@ -225,7 +203,7 @@ def _compiled_kernel(block_size: int, head_dim: int, most_heads: int) -> Callabl
                     for line in range(0, width, per_line):
                         prefetch(k_next, t * width + line)
                     for h in range(nh):
-                        kh = kv_head[h]
+                        kh = h // group
                         lanes_copy(part, 0.0, DOT_PARTS)
                         for j in range(0, d, DOT_PARTS):
                             lanes_fma(
@@ -250,15 +228,14 @@ def _compiled_kernel(block_size: int, head_dim: int, most_heads: int) -> Callabl
                         probs[h, t] = 0.0
                     sums[h] = lanes_sum(probs[h], slots)
                     lanes_mul(acc[h], acc[h], rescale[h], d)
-                for h0 in range(0, heads, 16):
-                    lanes_mul(den[h0 : h0 + 16], den[h0 : h0 + 16], rescale[h0 : h0 + 16], 16)
-                    lanes_add(den[h0 : h0 + 16], sums[h0 : h0 + 16], 16)
-                    lanes_copy(m[h0 : h0 + 16], top[h0 : h0 + 16], 16)
+                lanes_mul(den, den, rescale, heads)
+                lanes_add(den, sums, heads)
+                lanes_copy(m, top, heads)
                 for t in range(n):
                     for line in range(0, width, per_line):
                         prefetch(v_next, t * width + line)
                     for h in range(nh):
-                        lanes_fma(acc[h], vb[t, kv_head[h]], probs[h, t], d)
+                        lanes_fma(acc[h], vb[t, h // group], probs[h, t], d)
             for h in range(nh):
                 lanes_div(row_out, acc[h], den[h], d)
                 for j in range(d):

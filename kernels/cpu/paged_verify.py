@@ -125,29 +125,14 @@ def verify_job(
     return attention_job(compiled_kernel, query, k_cache, v_cache, tasks, scale, out)
 
 
-# The KV heads the kernel's stack scratch holds: one kernel serves every model with up to
-# this many (more: rounded up to a multiple of it, a kernel per size).
-KV_HEADS = 8
-
-
+@functools.cache
 def compiled_kernel(
     block_size: int, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> Callable[..., Any]:
-    """The kernel for a block size and head dim (compiled, or loaded from the cache, on
-    first call); it reads the heads and KV heads from its arrays."""
-    return _compiled_kernel(block_size, head_dim, kernel_kv_heads(num_kv_heads))
-
-
-def kernel_kv_heads(num_kv_heads: int) -> int:
-    """The KV heads the kernel serving num_kv_heads is compiled for (KV_HEADS, or more)."""
-    return -(-num_kv_heads // KV_HEADS) * KV_HEADS
-
-
-@functools.cache
-def _compiled_kernel(block_size: int, head_dim: int, most_kv_heads: int) -> Callable[..., Any]:
-    """The kernel for up to most_kv_heads KV heads."""
-    bs, d = block_size, head_dim
-    wide_size = bs * most_kv_heads * d  # a block's K (or V), widened from bf16
+    """The kernel for one model shape (compiled, or loaded from the cache, on first call)."""
+    bs, nh, nkv, d = block_size, num_heads, num_kv_heads, head_dim
+    group = num_heads // num_kv_heads
+    width = num_kv_heads * head_dim  # one position's K (or V) row
     padded = (bs + SCORE_POSITIONS - 1) // SCORE_POSITIONS * SCORE_POSITIONS  # whole tiles
     slots = sum_slots(block_size)
     rows_needed = max(bs + 1, slots)
@@ -215,15 +200,12 @@ def _compiled_kernel(block_size: int, head_dim: int, most_kv_heads: int) -> Call
         worker: int,
         workers: int,
     ) -> None:
-        # Scratch on the stack (about 32 * KV_HEADS * head_dim floats: 64 KB at head dim
-        # 64): LLVM knows that no other array aliases it, and it is 64-byte aligned,
+        # Scratch on the stack (about 32 * num_kv_heads * head_dim floats: 27 KB for
+        # SmolLM2): LLVM knows that no other array aliases it, and it is 64-byte aligned,
         # each 16-lane row one cache line.
-        nh, nkv = q.shape[1], k_cache.shape[2]
-        group = nh // nkv
-        width = nkv * d  # one position's K (or V) row
-        qt = stack_array((most_kv_heads, d, LANES))  # scaled queries, lanes last
-        acc = stack_array((most_kv_heads, d, LANES))
-        m, den = stack_array((most_kv_heads, LANES)), stack_array((most_kv_heads, LANES))
+        qt = stack_array((nkv, d, LANES))  # scaled queries, lanes last
+        acc = stack_array((nkv, d, LANES))
+        m, den = stack_array((nkv, LANES)), stack_array((nkv, LANES))
         top, rescale = stack_array((LANES,)), stack_array((LANES,))
         scores = stack_array((padded, LANES))
         # Rows below n: scores minus the new max, then probabilities (0 up to slots);
@@ -234,9 +216,7 @@ def _compiled_kernel(block_size: int, head_dim: int, most_kv_heads: int) -> Call
         probs_flat = probs.reshape(rows_needed * LANES)
         bits = np.empty(rows_needed * LANES, dtype=np.int32)
         # A bf16 cache's block, widened (`fp32_positions`); unused with an fp32 cache.
-        k_space, v_space = stack_array((wide_size,)), stack_array((wide_size,))
-        k_wide = k_space[: bs * nkv * d].reshape(bs, nkv, d)
-        v_wide = v_space[: bs * nkv * d].reshape(bs, nkv, d)
+        k_wide, v_wide = stack_array((bs, nkv, d)), stack_array((bs, nkv, d))
         per_line = 64 // k_cache.itemsize  # cache elements in one 64-byte line
         length_of = np.empty(LANES, dtype=np.int64)  # lane -> its token's length
         num_runs = rows.shape[0]

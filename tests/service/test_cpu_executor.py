@@ -188,35 +188,6 @@ def test_family_features_are_data_of_the_kernels_a_llama_of_their_shapes_runs(
     assert family.fused.rope.tolist() == rope.get(feature, [[head_dim, 0]] * layers)
 
 
-# Other widths, KV heads and depth than BASE, with its head dim and kinds: the compiled
-# kernels read those from their arrays, so this model compiles nothing new.
-OTHER_SHAPES: dict[str, Any] = {
-    "hidden_size": 128,
-    "num_heads": 8,
-    "num_kv_heads": 2,
-    "intermediate_size": 192,
-    "vocab_size": 320,
-    "num_layers": 3,
-}
-
-
-def test_a_model_of_other_shapes_runs_on_the_kernels_another_model_compiled() -> None:
-    """Kernels are compiled once, not per model shape: after a Llama of BASE's shapes,
-    one of other widths, heads and layers (same head dim, block size and weight kinds)
-    compiles no new kernel signature, and its logits are its torch forward's."""
-    llama = cpu.prepare(random_model(ModelConfig(**BASE)), BLOCK_SIZE)
-    if llama is None or not llama.compiled:
-        pytest.skip("no compiled kernels on this machine")
-    config = ModelConfig(**{**BASE, **OTHER_SHAPES})
-    model = random_model(config)
-    expected = logits_of(model, config)
-    before = compiled_signatures()
-    other = cpu.prepare(copy.deepcopy(model), BLOCK_SIZE)
-    assert other is not None and other.active and other.fused is not None
-    assert compiled_signatures() == before
-    torch.testing.assert_close(logits_of(other, config), expected, rtol=1e-4, atol=1e-4)
-
-
 def test_a_feature_the_executor_lacks_leaves_the_model_to_its_torch_forward(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

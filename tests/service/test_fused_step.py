@@ -650,14 +650,12 @@ def test_the_caches_views_are_kept_while_the_caches_stay_and_made_anew_when_one_
     assert fused_step.cache_arrays(list(caches), arrays) is arrays  # the same tensors
     caches[0][0][1, 2] = 5.0  # views, not copies
     assert arrays.keys[0][1, 2].tolist() == [[5.0] * 8]
-    # Every layer's cache by its data address (the step views each like the first).
-    assert arrays.keys[1].tolist() == [k.data_ptr() for k, _ in caches]
     replaced = [*caches[:2], (caches[2][0], torch.ones(2, 4, 1, 8))]
     fresh = fused_step.cache_arrays(replaced, arrays)
-    assert fresh is not arrays and fresh.values[1][2] == replaced[2][1].data_ptr()
-    assert fresh.keys[1].tolist() == arrays.keys[1].tolist()
+    assert fresh is not arrays and fresh.values[2].sum() == 2 * 4 * 8
+    assert np.shares_memory(fresh.keys[2], caches[2][0].numpy())
     shorter = fused_step.cache_arrays(caches[:2], arrays)
-    assert shorter is not arrays and len(shorter.keys[1]) == len(shorter.values[1]) == 2
+    assert shorter is not arrays and len(shorter.keys) == len(shorter.values) == 2
 
 
 def test_a_step_keeps_its_setup_for_the_next_step_of_its_shape_and_no_other() -> None:
