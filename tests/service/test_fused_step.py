@@ -162,6 +162,19 @@ def assert_fused_matches_layered(
     assert fused_cache.equals(layered_cache)
 
 
+def assert_fused_is_the_model_not_the_plain_one(executor: Any, reference: Any, plain: Any) -> None:
+    """Over two prefilled sequences: the fused step gives the layered path's logits and K/V
+    bit for bit, the model's own torch forward (`reference`) within rounding, and differs
+    from `plain`, an executor of the same shapes without the feature under test."""
+    base = prefilled(executor, [20, 33])
+    chunks = [(0, [5], 20), (1, [1, 2, 3, 4, 5], 33)]
+    assert_fused_matches_layered(executor, base, chunks)
+    fused = run(base.copy(), executor, chunks, fused=True)
+    theirs = torch.cat(base.copy().step(reference, chunks))
+    torch.testing.assert_close(fused, theirs, rtol=1e-4, atol=1e-4)
+    assert (run(base.copy(), plain, chunks, fused=True) - fused).abs().max() > 1e-2
+
+
 def test_a_model_on_grids_gets_the_fused_step(executor: CpuExecutor) -> None:
     assert executor.fused.kinds == ("affine4",) * 4 + ("scaled8",)
     assert executor.compiled
@@ -543,15 +556,9 @@ def test_q_k_v_biases_are_added_in_the_fused_step() -> None:
     executor = grid_executor(with_biases)
     stacked = torch.stack([layer.self_attn.qkv_proj.bias.detach() for layer in layers])
     assert np.array_equal(executor.fused.qkv_bias, stacked.numpy())
-    base = prefilled(executor, [20, 33])
-    chunks = [(0, [5], 20), (1, [1, 2, 3, 4, 5], 33)]
-    assert_fused_matches_layered(executor, base, chunks)
-    fused = run(base.copy(), executor, chunks, fused=True)
-    theirs = torch.cat(base.copy().step(reference, chunks))
-    torch.testing.assert_close(fused, theirs, rtol=1e-4, atol=1e-4)
     without = grid_executor(grid_model(seed=1))
     assert without.fused.qkv_bias.shape == (3, 0)
-    assert (run(base.copy(), without, chunks, fused=True) - fused).abs().max() > 1e-2
+    assert_fused_is_the_model_not_the_plain_one(executor, reference, without)
 
 
 def test_which_dims_rotate_by_which_table_is_data_of_the_fused_step() -> None:
@@ -571,15 +578,9 @@ def test_which_dims_rotate_by_which_table_is_data_of_the_fused_step() -> None:
     reference = copy.deepcopy(model)
     executor = grid_executor(model)
     assert executor.fused.rope.tolist() == [[32, 0], [0, 0], [32, 1]]
-    base = prefilled(executor, [20, 33])
-    chunks = [(0, [5], 20), (1, [1, 2, 3, 4, 5], 33)]
-    assert_fused_matches_layered(executor, base, chunks)
-    fused = run(base.copy(), executor, chunks, fused=True)
-    theirs = torch.cat(base.copy().step(reference, chunks))
-    torch.testing.assert_close(fused, theirs, rtol=1e-4, atol=1e-4)
     llama = grid_executor(grid_model(seed=1))
     assert llama.fused.rope.tolist() == [[64, 0]] * 3
-    assert (run(base.copy(), llama, chunks, fused=True) - fused).abs().max() > 1e-2
+    assert_fused_is_the_model_not_the_plain_one(executor, reference, llama)
 
 
 def test_q_and_k_heads_are_normed_in_the_fused_step() -> None:
@@ -598,15 +599,9 @@ def test_q_and_k_heads_are_normed_in_the_fused_step() -> None:
         ]
     )
     assert np.array_equal(executor.fused.qk_norm, stacked.detach().numpy())
-    base = prefilled(executor, [20, 33])
-    chunks = [(0, [5], 20), (1, [1, 2, 3, 4, 5], 33)]
-    assert_fused_matches_layered(executor, base, chunks)
-    fused = run(base.copy(), executor, chunks, fused=True)
-    theirs = torch.cat(base.copy().step(reference, chunks))
-    torch.testing.assert_close(fused, theirs, rtol=1e-4, atol=1e-4)
     without = grid_executor(grid_model(seed=1))
     assert without.fused.qk_norm.shape == (3, 0, 0)
-    assert (run(base.copy(), without, chunks, fused=True) - fused).abs().max() > 1e-2
+    assert_fused_is_the_model_not_the_plain_one(executor, reference, without)
 
 
 def test_an_o_proj_bias_gets_no_fused_step() -> None:
