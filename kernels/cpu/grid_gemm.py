@@ -72,6 +72,7 @@ from pagedinfer.kernels.cpu.numba_support import (
 
 LANES = 16  # output columns per tile: one 512-bit vector of fp32
 GRID_BLOCK = 32  # inputs sharing one scale (and offset), as in GGUF's Q4_1 and Q8_0
+SUPER_BLOCK = 256  # inputs sharing one fp16 scale of the SUPER layout (a GGUF K-quant's)
 # The most rows one pass over the weight serves (more rows take more passes); from
 # WIDE_ROWS rows a pass works on half of TILE_GROUP tiles at once, so that accumulators,
 # weights and scales stay in AVX-512's 32 vector registers (without AVX-512, fewer rows
@@ -198,8 +199,64 @@ def block_of(kind: str) -> int:
 
 
 def _fp32_scales(scales: np.ndarray) -> np.ndarray:
-    """A grid's scales (fp16 bits, or fp32 for FINE8) as fp32."""
-    return scales if scales.dtype == np.float32 else scales.view(np.float16).astype(np.float32)
+    """A grid's scales (fp16 bits, fp32, or a super-block type's) as fp32 [tiles, K /
+    block, 2, 16]."""
+    if scales.dtype == np.float32:
+        return scales
+    if scales.dtype == np.uint16:
+        return scales.view(np.float16).astype(np.float32)
+    return _products(scales)
+
+
+def super_layout(scales: np.ndarray) -> tuple[int, int] | None:
+    """(bytes before the runs, bytes a run) in each super-block of SUPER scales (`with_offsets`
+    uint8, or int8 without), None for scales of another type."""
+    if scales.dtype == np.uint8:
+        return 4 * LANES, 2 * LANES
+    if scales.dtype == np.int8:
+        return 2 * LANES, LANES
+    return None
+
+
+def _products(scales: np.ndarray) -> np.ndarray:
+    """SUPER scales [tiles, K / SUPER_BLOCK, bytes] as the fp32 d and m per run that the
+    kernels compute from them: d = fp32(d * scale), m = -fp32(dmin * min) (or 0)."""
+    layout = super_layout(scales)
+    assert layout is not None
+    head, per_run = layout
+    tiles, supers, width = scales.shape
+    runs = (width - head) // per_run
+    raw = scales.view(np.uint8)
+    body = raw[:, :, head:].reshape(tiles, supers, runs, per_run)
+    d = np.ascontiguousarray(raw[:, :, : 2 * LANES]).view(np.float16).astype(np.float32)
+    d = d[:, :, None, :] * body[..., :LANES].view(np.int8).astype(np.float32)
+    if head == 2 * LANES:
+        m = np.zeros_like(d)
+    else:
+        dmin = np.ascontiguousarray(raw[:, :, 2 * LANES : head]).view(np.float16)
+        m = -(dmin.astype(np.float32)[:, :, None, :] * body[..., LANES:].astype(np.float32))
+    return np.stack((d, m), axis=3).reshape(tiles, supers * runs, 2, LANES)
+
+
+def _super_scales(supers: Any, tiles: int) -> np.ndarray:
+    """A weight's `SuperScales`-like scales (fp16 d [N, K / SUPER_BLOCK], int8 scales
+    [N, runs], and with offsets fp16 dmin and uint8 mins as those) in the SUPER layout:
+    per tile and super-block, the 16 lanes' d (and dmin) and then each run's 16 scales
+    (and 16 mins); uint8 with offsets, int8 without."""
+
+    def lanes(a: np.ndarray, dtype: type) -> np.ndarray:  # [N, X] -> bytes [tiles, X, 16]
+        tiled = a.astype(dtype).reshape(tiles, LANES, -1).transpose(0, 2, 1)
+        return np.ascontiguousarray(tiled).view(np.uint8)
+
+    supers_count = supers.d.shape[1]
+    head = [lanes(supers.d, np.float16)]  # [tiles, S, 32]
+    per_run = [lanes(supers.scales, np.int8)]  # [tiles, S * runs, 16]
+    if supers.mins is not None:
+        head.append(lanes(supers.dmin, np.float16))
+        per_run.append(lanes(supers.mins, np.uint8))
+    body = np.stack(per_run, axis=2).reshape(tiles, supers_count, -1)
+    packed = np.concatenate((*head, body), axis=2)
+    return packed if supers.mins is not None else packed.view(np.int8)
 
 
 def shape_supported(out_features: int, in_features: int) -> bool:
@@ -357,14 +414,21 @@ def _holds(w: np.ndarray, codes: np.ndarray, scales: np.ndarray) -> bool:
 
 
 def from_codes(
-    codes: np.ndarray, d: np.ndarray, m: np.ndarray, low: int, high: int
+    codes: np.ndarray,
+    d: np.ndarray,
+    m: np.ndarray,
+    low: int,
+    high: int,
+    supers: Any = None,
 ) -> GridWeight | None:
     """The grid of a weight known to be fp32(d * q) + m in each run of inputs (a GGUF
     file's blocks): codes int8 [out_features, in_features] in low..high; d and m
     [out_features, runs], fp16 or fp32. Runs of GRID_BLOCK inputs give AFFINE4 where the
     codes fit 0..15, else SCALED8 (whose kernels add m too: a 5-bit code takes 8 bits,
     which decodes faster than 5 packed bits), with scales of d's type;
-    runs of FINE_BLOCK give FINE8 (fp32 scales). None where the shape does not tile."""
+    runs of FINE_BLOCK give FINE8 (fp32 scales). supers: where d and m are the products
+    of a super-block type's scales as its file keeps them (`gguf_quants.SuperScales`),
+    those in the SUPER layout instead of fp32. None where the shape does not tile."""
     n, k = codes.shape
     if not shape_supported(n, k) or m.shape != d.shape or d.dtype != m.dtype:
         return None
@@ -383,11 +447,35 @@ def from_codes(
         packed = np.ascontiguousarray(q[:, 0::2] | (q[:, 1::2] << np.uint8(4)))
     else:
         kind, packed = SCALED8, np.ascontiguousarray(tiled, dtype=np.int8)
+    if _supers_give(supers, d, m, k):
+        return GridWeight(kind, n, k, packed, _super_scales(supers, tiles))
     scales = np.stack((d, m), axis=1)  # [n, 2, runs]
     scales = np.ascontiguousarray(scales.reshape(tiles, LANES, 2, runs).transpose(0, 3, 2, 1))
     return GridWeight(
         kind, n, k, packed, scales if d.dtype == np.float32 else scales.view(np.uint16)
     )
+
+
+def _supers_give(supers: Any, d: np.ndarray, m: np.ndarray, k: int) -> bool:
+    """Whether `supers` (None, or `gguf_quants.SuperScales`-like) give exactly the fp32 d
+    and m [N, runs] of a weight of `k` inputs, in the runs of its kind (one per run)."""
+    if supers is None or k % SUPER_BLOCK or supers.scales.shape != d.shape:
+        return False
+    if supers.d.shape != (d.shape[0], k // SUPER_BLOCK):
+        return False
+    if supers.scales.min(initial=0) < -128 or supers.scales.max(initial=0) > 127:
+        return False
+    per_super = d.shape[1] // supers.d.shape[1]
+    sd = np.repeat(supers.d.astype(np.float32), per_super, axis=1)
+    want_d = sd * supers.scales.astype(np.float32)
+    if supers.mins is None:
+        want_m = np.zeros_like(want_d)
+    else:
+        if supers.mins.min(initial=0) < 0 or supers.mins.max(initial=0) > 255:
+            return False
+        dmin = np.repeat(supers.dmin.astype(np.float32), per_super, axis=1)
+        want_m = -(dmin * supers.mins.astype(np.float32))
+    return bool(np.array_equal(want_d, d) and np.array_equal(want_m, m))
 
 
 @jit(nogil=True, error_model="numpy")
@@ -463,32 +551,64 @@ def _fp16_neighbours(x: np.ndarray) -> tuple[np.ndarray, ...]:
 
 
 @intrinsic
-def _block_scales(typingctx: Any, dm: Any, scales: Any, sat: Any) -> Any:
+def _block_scales(typingctx: Any, dm: Any, scales: Any, sat: Any, runs: Any) -> Any:
     """A block's scales as `_dequant` takes them: dm[0] = d and dm[1] = m, fp32, from the
-    2 x 16 values scales[sat:] (fp16 bits, or fp32 as they are)."""
+    2 x 16 values scales[sat:] (fp16 bits, or fp32 as they are); from SUPER scales (uint8
+    or int8: `super_layout`), of run sat / 32 (with `runs` runs a super-block), computed
+    as the dequantisation computes them: d = fp32(d * scale), m = -fp32(dmin * min)."""
     wide = scales.dtype == types.float32
+    offsets = scales.dtype == types.uint8
+    supers = offsets or scales.dtype == types.int8
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         f32 = ir.VectorType(ir.FloatType(), LANES)
         data = context.make_array(signature.args[1])(context, builder, args[1]).data
         out = context.make_array(signature.args[0])(context, builder, args[0]).data
+
+        def store(i: int, value: Any) -> None:
+            target = builder.gep(out, [ir.Constant(ir.IntType(64), i * LANES)])
+            builder.store(value, builder.bitcast(target, f32.as_pointer()), align=4)
+
+        def lanes_at(at: Any, bits: int) -> Any:
+            vector = ir.VectorType(ir.IntType(bits), LANES)
+            pointer = builder.bitcast(builder.gep(data, [at]), vector.as_pointer())
+            return builder.load(pointer, align=1)
+
+        def halves(at: Any) -> Any:
+            raw = builder.bitcast(lanes_at(at, 16), ir.VectorType(ir.HalfType(), LANES))
+            return builder.fpext(raw, f32)
+
+        if supers:
+            i64 = ir.IntType(64)
+            head, per_run = (4 * LANES, 2 * LANES) if offsets else (2 * LANES, LANES)
+            run = builder.lshr(
+                context.cast(builder, args[2], signature.args[2], types.int64), i64(5)
+            )
+            count = context.cast(builder, args[3], signature.args[3], types.int64)
+            stride = builder.add(builder.mul(count, i64(per_run)), i64(head))
+            base = builder.mul(builder.udiv(run, count), stride)
+            at = builder.add(
+                base, builder.add(i64(head), builder.mul(builder.urem(run, count), i64(per_run)))
+            )
+            scale = builder.sitofp(lanes_at(at, 8), f32)
+            store(0, builder.fmul(halves(base), scale))
+            if offsets:
+                least = builder.uitofp(lanes_at(builder.add(at, i64(LANES)), 8), f32)
+                dmin = halves(builder.add(base, i64(2 * LANES)))
+                store(1, builder.fneg(builder.fmul(dmin, least)))
+            else:
+                store(1, ir.Constant(f32, [0.0] * LANES))
+            return context.get_dummy_value()
         for i in range(2):
             at = builder.add(args[2], ir.Constant(args[2].type, i * LANES))
             if wide:
                 pointer = builder.bitcast(builder.gep(data, [at]), f32.as_pointer())
-                value = builder.load(pointer, align=4)
+                store(i, builder.load(pointer, align=4))
             else:
-                pointer = builder.bitcast(
-                    builder.gep(data, [at]), ir.VectorType(ir.IntType(16), LANES).as_pointer()
-                )
-                raw = builder.load(pointer, align=2)
-                half = builder.bitcast(raw, ir.VectorType(ir.HalfType(), LANES))
-                value = builder.fpext(half, f32)
-            target = builder.gep(out, [ir.Constant(ir.IntType(64), i * LANES)])
-            builder.store(value, builder.bitcast(target, f32.as_pointer()), align=4)
+                store(i, halves(at))
         return context.get_dummy_value()
 
-    return types.void(dm, scales, sat), codegen
+    return types.void(dm, scales, sat, runs), codegen
 
 
 @intrinsic
@@ -631,6 +751,7 @@ def gemm_kernel(
     fused: bool,
     silu: bool = False,
     group_tiles: int = 0,
+    gelu: bool = False,
 ) -> Callable[..., None]:
     """gemm(x, r0, codes, scales, out, first, tiles, add, ahead, worker, workers): rows r0
     .. r0 + rows - 1 of x [M, K] (BF16_DOT: its bf16 pairs, int32 [M, K / 2]) times the
@@ -649,7 +770,9 @@ def gemm_kernel(
     takes as many tiles of the gate as of up, the same outputs of each, and out gets
     silu(gate) * up (`layer_ops.silu_times`, as `silu_mul` computes it from the product),
     gate tile j into out tile `first` + j (add unused). The product itself is never
-    written: each worker takes the SiLU of its own tiles while they are in registers."""
+    written: each worker takes the SiLU of its own tiles while they are in registers.
+    gelu (with silu): the activation is GELU's tanh approximation (Gemma 3's), the same
+    kernel with `silu_times`' switch."""
     k, parts = in_features, len(ends)
     paired = kind == BF16_DOT  # x: int32 [M, K / 2], each input pair's bf16s (`bf16_pairs`)
     if paired and (not fused or any(end % 2 for end in ends)):
@@ -659,6 +782,7 @@ def gemm_kernel(
     scaled = kind not in DENSE  # weights on no grid have no scales
     block = block_of(kind)
     blocks = k // block
+    runs = SUPER_BLOCK // block  # runs a super-block of SUPER scales
     code_row = k // steps * LANES  # codes of one tile
     half = tb // 2  # with silu: the group's gate tiles, then as many of up
     values = half * rows * LANES  # with silu: the group's outputs
@@ -731,7 +855,7 @@ def gemm_kernel(
                         for b in range(tb):
                             tile = tile_of(group, b, tiles)
                             sat = (tile * blocks + i // block) * 2 * LANES
-                            _block_scales(dm[b], scales, sat)
+                            _block_scales(dm[b], scales, sat, runs)
                     for b in range(tb):
                         at = tile_of(group, b, tiles) * code_row + i // steps * LANES
                         _dequant(w[b], kind, codes, at, dm[b])
@@ -744,7 +868,7 @@ def gemm_kernel(
                 start = end
             if silu:
                 gate, up = total[:half].reshape(values), total[half:].reshape(values)
-                silu_times(gate, up, result.reshape(values), negative, decay, bits)
+                silu_times(gate, up, result.reshape(values), negative, decay, bits, gelu)
                 for b in range(half):
                     for r in range(rows):
                         lanes_copy(out[r0 + r, first + group * half + b], result[b, r], LANES)
@@ -788,7 +912,12 @@ def tiles_per_group(rows: int, silu: bool = False, kind: str = "") -> int:
 
 @functools.cache
 def gemm_all_rows(
-    kind: str, in_features: int, ends: tuple[int, ...], fused: bool, silu: bool = False
+    kind: str,
+    in_features: int,
+    ends: tuple[int, ...],
+    fused: bool,
+    silu: bool = False,
+    gelu: bool = False,
 ) -> Callable[..., None]:
     """gemm(x, codes, scales, out, add, worker, workers): `gemm_kernel`'s product for every
     row of x (fp32 [M, K]; a BF16_DOT kernel rounds it to bf16 first), summed in the
@@ -801,14 +930,15 @@ def gemm_all_rows(
     share of the rows of the groups that do not divide evenly among them.
 
     silu: out [M, out_features / 32, 16] gets silu(gate) * up of the product of a [gate |
-    up] weight, as `gemm_kernel` gives it."""
+    up] weight, as `gemm_kernel` gives it (gelu: gelu_tanh(gate) * up)."""
     k, steps = in_features, 2 if kind in (AFFINE4, BF16_DOT) else 1
     code_row = k // steps * LANES
     block = block_of(kind)
     blocks = k // block
+    runs = SUPER_BLOCK // block  # runs a super-block of SUPER scales
     scaled = kind not in DENSE
     most, scratch_rows = row_limits(silu, kind)
-    one_pass = _by_rows(kind, k, ends, fused, silu, most)
+    one_pass = _by_rows(kind, k, ends, fused, silu, most, gelu=gelu)
     half = TILE_GROUP // 2  # with silu: a group's gate tiles, then as many of up
     # fp32 weights are already what the scratch would hold: the rows run over the weight's
     # own tiles, with no copy, as many tiles at once as `tiles_per_group` gives for their
@@ -845,7 +975,7 @@ def gemm_all_rows(
             t = _paired_tile(group, b, half, tiles) if silu else group * TILE_GROUP + b
             for i0 in range(0, k, block):
                 if scaled:
-                    _block_scales(dm, scales, (t * blocks + i0 // block) * 2 * LANES)
+                    _block_scales(dm, scales, (t * blocks + i0 // block) * 2 * LANES, runs)
                 for i in range(i0, i0 + block, steps):
                     _dequant(w[b, i:], kind, codes, t * code_row + i // steps * LANES, dm)
         return w, 0, half
@@ -935,7 +1065,7 @@ def gemm_all_rows(
                         for b in range(half):
                             lanes_copy(product[0, r, b], whole_group[r, b], LANES)
                             lanes_copy(product[1, r, b], whole_group[r, half + b], LANES)
-                _silu_rows(product, r0, rows, out, first, silu_scratch)
+                _silu_rows(product, r0, rows, out, first, silu_scratch, gelu)
 
     return gemm
 
@@ -949,18 +1079,25 @@ def _task_group(task: int, whole: int, workers: int) -> int:
 
 @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
 def _silu_rows(
-    product: np.ndarray, r0: int, rows: int, out: np.ndarray, first: int, scratch: np.ndarray
+    product: np.ndarray,
+    r0: int,
+    rows: int,
+    out: np.ndarray,
+    first: int,
+    scratch: np.ndarray,
+    gelu: bool,
 ) -> None:
     """out[r, first + j] = silu(gate) * up for rows r0 .. r0 + rows - 1 of a tile group's
     product [2, M, TILE_GROUP / 2, 16] (its gate tiles' outputs, then the same tiles' of
-    up), in one `layer_ops.silu_times` over the rows. scratch: fp32 [4, rows * 32 or more]."""
+    up), in one `layer_ops.silu_times` over the rows (gelu: its GELU). scratch: fp32 [4,
+    rows * 32 or more]."""
     half = TILE_GROUP // 2
     n = rows * half * LANES
     result, negative, decay = scratch[0], scratch[1], scratch[2]
     bits = scratch[3].view(np.int32)
     gate = product[0, r0 : r0 + rows].reshape(n)
     up = product[1, r0 : r0 + rows].reshape(n)
-    silu_times(gate, up, result, negative, decay, bits)
+    silu_times(gate, up, result, negative, decay, bits, gelu)
     for r in range(rows):
         for b in range(half):
             lanes_copy(out[r0 + r, first + b], result[(r * half + b) * LANES :], LANES)
@@ -975,6 +1112,7 @@ def _by_rows(
     silu: bool = False,
     most: int = MAX_ROWS,
     group_tiles: int = 0,
+    gelu: bool = False,
 ) -> Callable[..., None]:
     """run(rows, *args): `gemm_kernel`(kind, rows, ...)(*args) for 1 <= rows <= most (at
     most IN_PLACE_ROWS; the kernel compiled for that many rows, nothing for other counts).
@@ -983,7 +1121,7 @@ def _by_rows(
     def kernel(rows: int) -> Callable[..., None]:
         rows = min(rows, most)  # past `most`, the kernel for `most` (never called)
         tiles = group_tiles or tiles_per_group(rows, silu, kind)
-        return gemm_kernel(kind, rows, in_features, ends, fused, silu, tiles)
+        return gemm_kernel(kind, rows, in_features, ends, fused, silu, tiles, gelu)
 
     k1, k2, k3, k4, k5, k6, k7, k8, k9, k10, k11, k12 = (
         kernel(rows) for rows in range(1, IN_PLACE_ROWS + 1)

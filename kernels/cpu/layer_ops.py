@@ -10,7 +10,8 @@ three calls:
   NoPE layer) in place inside the q/k/v GEMM's output and copies
   each token's k and v rows into its cache slot (slot -1: padding, skipped), rounded to
   bf16 where the cache is bf16;
-- `silu_mul`: SiLU of the gate half times the up half.
+- `silu_mul`: SiLU (or GELU, tanh approximation: Gemma 3's) of the gate half times the
+  up half.
 Each op costs more in a step than in a loop of its own (the GEMM before it has streamed
 the weights through the caches, and the Python around it runs cold): fewer ops is what
 pays.
@@ -44,6 +45,10 @@ from pagedinfer.kernels.cpu.numba_support import (
 )
 
 LANES = 16  # `silu_times` works on vectors of 16 fp32 values: a GEMM tile's outputs
+# gelu_tanh(g) = g * sigmoid(GELU_SCALE * (g + GELU_CUBIC * g^3)): 0.5 * (1 + tanh(u)) is
+# sigmoid(2u), with u = sqrt(2 / pi) * (g + 0.044715 * g^3).
+GELU_SCALE = np.float32(2.0 * (2.0 / np.pi) ** 0.5)
+GELU_CUBIC = np.float32(0.044715)
 
 
 def supports(*tensors: torch.Tensor) -> bool:
@@ -58,11 +63,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of gate_up [tokens, 2 * intermediate] = [gate | up]."""
+def silu_mul(gate_up: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    """silu(gate) * up of gate_up [tokens, 2 * intermediate] = [gate | up]; gelu:
+    gelu_tanh(gate) * up (`silu_times`)."""
     rows = _rows(gate_up)
     out = torch.empty(rows.shape[0], rows.shape[1] // 2, dtype=gate_up.dtype)
-    _silu_mul(rows, out.numpy())
+    _silu_mul(rows, out.numpy(), gelu)
     return out
 
 
@@ -204,20 +210,35 @@ def silu_times(
     negative: np.ndarray,
     decay: np.ndarray,
     bits: np.ndarray,
+    gelu: bool,
 ) -> None:
     """out = silu(gate) * up over n values (n: len(gate), a multiple of LANES): the
     SiLU-and-multiply of `silu_mul` and of the gate/up GEMM on its own outputs
     (`grid_gemm`), so that both give the same bits. negative, decay (fp32) and bits
-    (int32): scratch of n or more.
+    (int32): scratch of n or more. gelu: gelu_tanh(gate) * up instead, the same
+    operations on z = GELU_SCALE * (g + GELU_CUBIC * g^3) in place of g inside the
+    sigmoid (z has g's sign), so one kernel serves both activations.
 
     silu(g) = g * sigmoid(g), with sigmoid from e = exp(-|g|), which cannot overflow:
     g / (1 + e) for g >= 0, g * e / (1 + e) below. After the exp each operation is
     rounded once (`numba_support.lanes_silu_times`): left to fast math, LLVM rounded them one
     way in a loop over a row and another over 16 values, an ulp apart."""
     n = gate.shape[0]
-    for i in range(n):
-        g = gate[i]
-        negative[i] = min(g, -g)
+    if gelu:  # z in exact lane ops: g * (1 + GELU_CUBIC * g * g) * GELU_SCALE
+        for c in range(0, n, LANES):
+            z = negative[c : c + LANES]
+            lanes_mul(z, gate[c : c + LANES], gate[c : c + LANES], LANES)
+            lanes_mul(z, z, GELU_CUBIC, LANES)
+            lanes_add(z, np.float32(1.0), LANES)
+            lanes_mul(z, z, gate[c : c + LANES], LANES)
+            lanes_mul(z, z, GELU_SCALE, LANES)
+        for i in range(n):
+            v = negative[i]
+            negative[i] = min(v, -v)
+    else:
+        for i in range(n):
+            g = gate[i]
+            negative[i] = min(g, -g)
     exp_into(negative[:n], decay, bits)
     for c in range(0, n, LANES):
         lanes_silu_times(
@@ -226,7 +247,7 @@ def silu_times(
 
 
 @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
-def _silu_mul(gate_up: np.ndarray, out: np.ndarray) -> None:
+def _silu_mul(gate_up: np.ndarray, out: np.ndarray, gelu: bool) -> None:
     width = out.shape[1]
     whole = width - width % LANES  # the rest of a row goes in lanes of its own
     negative = np.empty(whole + LANES, dtype=np.float32)
@@ -235,12 +256,12 @@ def _silu_mul(gate_up: np.ndarray, out: np.ndarray) -> None:
     last = np.zeros((3, LANES), dtype=np.float32)  # gate, up and out of that rest
     for t in range(out.shape[0]):
         gate, up = gate_up[t, :whole], gate_up[t, width : width + whole]
-        silu_times(gate, up, out[t, :whole], negative, decay, bits)
+        silu_times(gate, up, out[t, :whole], negative, decay, bits, gelu)
         if whole < width:
             for i in range(width - whole):
                 last[0, i] = gate_up[t, whole + i]
                 last[1, i] = gate_up[t, width + whole + i]
-            silu_times(last[0], last[1], last[2], negative, decay, bits)
+            silu_times(last[0], last[1], last[2], negative, decay, bits, gelu)
             for i in range(width - whole):
                 out[t, whole + i] = last[2, i]
 

@@ -414,34 +414,35 @@ def test_every_row_and_output_is_summed_once_however_the_workers_share_them(thre
 
 
 @pytest.mark.parametrize(
-    "form",
+    ("form", "gelu"),
     [
-        grid_gemm.to_grid,
-        grid_gemm.rebuilt,
-        lambda weight: grid_gemm.rebuilt(weight, grid_gemm.BF16_DOT),
+        (grid_gemm.to_grid, False),
+        (grid_gemm.rebuilt, False),
+        (lambda weight: grid_gemm.rebuilt(weight, grid_gemm.BF16_DOT), False),
+        (grid_gemm.to_grid, True),
     ],
-    ids=["grid", "fp32", "bf16-products"],
+    ids=["grid", "fp32", "bf16-products", "grid-gelu"],
 )
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_the_gate_up_gemm_gives_silu_mul_of_its_product(threads, form) -> None:
+def test_the_gate_up_gemm_gives_silu_mul_of_its_product(threads, form, gelu) -> None:
     """A [gate | up] weight of 2 x 288 outputs (nine groups of two gate tiles and the same
     two of up), on its grid or as fp32 or bf16 tiles (whose gate and up halves run in
     place): with
     silu, each group's product goes through `layer_ops.silu_times` and out gets what
     `silu_mul` makes of the whole product, bit for bit, for every row count and however
-    the workers share the groups."""
+    the workers share the groups; with gelu too, GELU (tanh) in place of SiLU."""
     from pagedinfer.kernels.cpu import layer_ops
     from pagedinfer.kernels.cpu.numba_support import Job, run_jobs
 
     weight = affine4_weight(576, 256, seed=11)
     grid = form(weight)
     order = grid_gemm.SumOrder((128, 256), True)
-    gemm = grid_gemm.gemm_all_rows(grid.kind, 256, order.ends, order.fused, silu=True)
+    gemm = grid_gemm.gemm_all_rows(grid.kind, 256, order.ends, order.fused, True, gelu)
     generator = torch.Generator().manual_seed(3)
     with torch_threads(threads):
         for rows in SHARED_ROWS:
             x = torch.randn(rows, 256, generator=generator) * 4  # SiLU's both sides
-            expected = layer_ops.silu_mul(grid_gemm.grid_linear(x, grid, order))
+            expected = layer_ops.silu_mul(grid_gemm.grid_linear(x, grid, order), gelu)
             out = np.full((rows, 288 // 16, 16), np.nan, dtype=np.float32)
             run_jobs([Job(gemm, (x.numpy(), grid.codes, grid.scales, out, False), 18)])
             assert np.array_equal(out.reshape(rows, 288), expected.numpy()), rows

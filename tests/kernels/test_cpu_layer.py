@@ -3,6 +3,8 @@ replace (`pagedinfer.service.models.llama`'s torch path)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -48,6 +50,27 @@ def test_silu_mul_matches_torch_over_the_whole_range() -> None:
     out = layer_ops.silu_mul(gate_up)
     expected = (F.silu(gate.double()) * up.double()).float().expand(3, -1)
     torch.testing.assert_close(out, expected, rtol=2e-6, atol=1e-30)
+
+
+def test_gelu_mul_matches_torch_over_the_whole_range() -> None:
+    """Gemma 3's GeGLU: gelu (tanh approximation) of the gate times up, by the same kernel."""
+    gate = torch.cat(
+        [
+            torch.linspace(-30.0, 30.0, 2001),
+            torch.tensor([-1e4, -88.0, -10.0, -1e-3, -0.0, 0.0, 1e-3, 10.0, 88.0, 1e4]),
+        ]
+    )
+    up = torch.randn(gate.shape[0], generator=torch.Generator().manual_seed(0))
+    gate_up = torch.cat([gate, up]).view(1, -1).repeat(3, 1)
+    out = layer_ops.silu_mul(gate_up, gelu=True)
+    # 0.5 * (1 + tanh(u)) = sigmoid(2u): in double without tanh's cancellation below -5,
+    # where torch's formula loses every digit of the tiny results.
+    g = gate.double()
+    exact = g * torch.sigmoid(2 * (2 / math.pi) ** 0.5 * (g + 0.044715 * g**3)) * up.double()
+    torch.testing.assert_close(out, exact.float().expand(3, -1), rtol=1e-5, atol=1e-30)
+    torch_fp32 = F.gelu(gate, approximate="tanh") * up
+    torch.testing.assert_close(out, torch_fp32.expand(3, -1), rtol=1e-5, atol=1e-6)
+    assert not torch.equal(out, layer_ops.silu_mul(gate_up))
 
 
 def test_silu_mul_propagates_nan() -> None:
