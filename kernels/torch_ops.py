@@ -202,9 +202,9 @@ def plan_for(
     sliding_window: int | None = None,
 ) -> AttentionPlan:
     """The plan `paged_attention` makes when given none: the compiled kernels wherever
-    these tensors allow them (compiled=False: plain torch ops only). The compiled kernels
-    attend to whole contexts, so a sliding window keeps every sequence on plain torch ops."""
-    compiled = compiled and sliding_window is None and compiled_decode(query, k_cache, v_cache)
+    these tensors allow them (compiled=False: plain torch ops only), for a sliding window
+    too (the kernels take it as an argument)."""
+    compiled = compiled and compiled_decode(query, k_cache, v_cache)
     verify_rows = compiled_verify_rows(query, k_cache) if compiled else 0
     return plan_attention(
         block_tables,
@@ -235,11 +235,9 @@ def plan_attention(
     kernel takes their tokens in runs of up to this many (`compiled_verify_rows`); 0
     gives every token a row of its own.
     sliding_window: new token at position p sees positions p - W < k <= p; each sequence
-    gathers only the blocks from the first one its earliest new token sees. The compiled
-    kernels have no window: compiled must be False with one.
+    gathers only the blocks from the first one its earliest new token sees, and the
+    compiled kernels read none before it either.
     """
-    if compiled and sliding_window is not None:
-        raise ValueError("sliding_window: the compiled CPU kernels attend to whole contexts")
     decodes = runs = None
     if compiled:
         # The compiled kernels' share in numpy: a few dozen small ops, each a fraction of
@@ -258,7 +256,7 @@ def plan_attention(
             runs = _plan_runs(ids, in_runs, verify_rows, tables_np, lens_np, qlens_np, starts_np)
     verify = verify_rows if runs is not None else 0
     if compiled and short.all():  # nothing left for the padded groups
-        return AttentionPlan([], block_size, decodes, runs, verify)
+        return AttentionPlan([], block_size, decodes, runs, verify, sliding_window)
     starts = query_start_loc.long()
     seq_lens = seq_lens.long()
     query_lens = starts[1:] - starts[:-1]
@@ -510,7 +508,15 @@ def _run_compiled(
             raise ValueError("plan: compiled decodes, but these tensors cannot take them")
         jobs.append(
             decode.decode_job(
-                query, k_cache, v_cache, d.query_rows, d.block_tables, d.seq_lens, scale, out
+                query,
+                k_cache,
+                v_cache,
+                d.query_rows,
+                d.block_tables,
+                d.seq_lens,
+                scale,
+                out,
+                plan.sliding_window or 0,
             )
         )
     if r is not None and r.query_rows.size:
@@ -532,6 +538,7 @@ def _run_compiled(
                 r.seq_lens,
                 scale,
                 out,
+                plan.sliding_window or 0,
             )
         )
     if jobs:

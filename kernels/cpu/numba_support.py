@@ -249,14 +249,16 @@ def attention_job(
     tasks: tuple[np.ndarray, ...],
     scale: float,
     out: torch.Tensor,
+    window: int = 0,
 ) -> Job:
     """A paged attention kernel's call: the kernel for the cache's shape (`kernel_for`:
     block size, query heads, KV heads, head dim), called as kernel(query, k_cache,
-    v_cache, *tasks, scale, out) on numpy views, one task per row of tasks[0]."""
+    v_cache, *tasks, scale, window, out) on numpy views, one task per row of tasks[0]
+    (window: the sliding window in positions, 0 for none)."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     kernel = kernel_for(block_size, query.shape[1], num_kv_heads, head_dim)
     caches = cache_array(k_cache), cache_array(v_cache)
-    args = (query.numpy(), *caches, *tasks, np.float32(scale), out.numpy())
+    args = (query.numpy(), *caches, *tasks, np.float32(scale), np.int64(window), out.numpy())
     return Job(kernel, args, tasks[0].shape[0])
 
 

@@ -20,7 +20,13 @@ boundary: while the kernel computes on one block it asks for the next block's ro
 Its arithmetic is spelled out with `numba_support`'s exact lane ops, not left to LLVM's
 fast-math choices: a score sums its products in DOT_PARTS interleaved parts, each in
 order, then the parts by halving; a block's probabilities are summed by halving over
-`sum_slots` slots; each step is rounded once. `paged_verify`, which serves runs of new
+`sum_slots` slots; each step is rounded once.
+
+A sliding window W (a Gemma 3 local layer's, Mistral's) is an argument, 0 for none: the
+token at position p sees p - W < k <= p. Blocks wholly before its window are never read
+(their table entries may be -1, their blocks another request's); in the block the window
+starts in, the positions before it get probability exactly 0, as `paged_verify` gives
+them. `paged_verify`, which serves runs of new
 tokens of one sequence, does the same operations in the same order, so a token gets the
 same bits either way and speculative decoding stays exactly what decoding one token at a
 time gives.
@@ -102,8 +108,10 @@ def decode_attention(
     seq_lens: np.ndarray,
     scale: float,
     out: torch.Tensor,
+    window: int = 0,
 ) -> None:
-    """Attention of one new token per sequence over its paged context, into `out`.
+    """Attention of one new token per sequence over its paged context, into `out`
+    (window: the sliding window, 0 for none).
 
     query, out: [num_tokens, num_heads, head_dim] fp32 (strided views allowed): decode i
     reads query row rows[i] and writes out row rows[i]; no other row is touched.
@@ -112,7 +120,9 @@ def decode_attention(
     bounds: every row must lie in query, every seq_len must be at least 1 and every block
     id its length needs must lie in the cache.
     """
-    run_jobs([decode_job(query, k_cache, v_cache, rows, block_tables, seq_lens, scale, out)])
+    run_jobs(
+        [decode_job(query, k_cache, v_cache, rows, block_tables, seq_lens, scale, out, window)]
+    )
 
 
 def decode_job(
@@ -124,10 +134,11 @@ def decode_job(
     seq_lens: np.ndarray,
     scale: float,
     out: torch.Tensor,
+    window: int = 0,
 ) -> Job:
     """`decode_attention`'s kernel call, for `numba_support.run_jobs` alongside others."""
     tasks = (rows, block_tables, seq_lens)
-    return attention_job(compiled_kernel, query, k_cache, v_cache, tasks, scale, out)
+    return attention_job(compiled_kernel, query, k_cache, v_cache, tasks, scale, out, window)
 
 
 @functools.cache
@@ -150,6 +161,7 @@ def compiled_kernel(
         block_tables: np.ndarray,
         seq_lens: np.ndarray,
         scale: np.float32,
+        window: int,
         out: np.ndarray,
         worker: int,
         workers: int,
@@ -179,6 +191,11 @@ def compiled_kernel(
             following = snake_task(turn + 1, worker, workers)  # this worker's next task
             length = seq_lens[s]
             query_row = rows[s]
+            # The first position the window shows, and the first block of the next task's.
+            lo = max(0, length - window) if window > 0 else 0
+            following_block = 0
+            if window > 0 and following < num_seqs:
+                following_block = max(0, seq_lens[following] - window) // bs
             lanes_copy(m[:nh], -np.inf, nh)
             lanes_copy(den[:nh], 0.0, nh)
             for h in range(nh):
@@ -186,22 +203,27 @@ def compiled_kernel(
                 for j in range(d):
                     qs[h, j] = q[query_row, h, j] * scale
             num_blocks = (length + bs - 1) // bs
-            for b in range(num_blocks):
+            for b in range(lo // bs, num_blocks):
                 block = block_tables[s, b]
                 n = min(bs, length - b * bs)
+                hidden = max(0, lo - b * bs)  # leading slots before the window
                 # The block read next (this sequence's, else the first of the next one
                 # this worker takes) is fetched row by row while this one is computed.
                 upcoming = block
                 if b + 1 < num_blocks:
                     upcoming = block_tables[s, b + 1]
                 elif following < num_seqs:
-                    upcoming = block_tables[following, 0]
+                    upcoming = block_tables[following, following_block]
                 # A bf16 cache's values are widened to fp32 as the lane ops load them.
                 kb, vb = k_cache[block], v_cache[block]
                 k_next, v_next = k_cache[upcoming], v_cache[upcoming]
                 for t in range(n):
                     for line in range(0, width, per_line):
                         prefetch(k_next, t * width + line)
+                    if t < hidden:
+                        for h in range(nh):
+                            probs[h, t] = -np.inf
+                        continue
                     for h in range(nh):
                         kh = h // group
                         lanes_copy(part, 0.0, DOT_PARTS)
@@ -224,6 +246,8 @@ def compiled_kernel(
                     for t in range(n):
                         shifted[t] = probs[h, t] - top[h]
                     exp_into(shifted[:n], probs[h, :n], bits)
+                    for t in range(hidden):  # exp_into gives 1.6e-38 for -inf: an exact 0
+                        probs[h, t] = 0.0
                     for t in range(n, slots):
                         probs[h, t] = 0.0
                     sums[h] = lanes_sum(probs[h], slots)

@@ -29,6 +29,12 @@ past its length become -inf and its probabilities exactly 0, and its value sums 
 those positions (a later token's NaN reaches only the tokens that see it); a block past
 all of a lane's positions leaves it as it was, bit for bit.
 
+A sliding window W (0: none) hides from token r the positions before its own window,
+length + r - W: their scores are -inf and probabilities exactly 0, as `paged_decode`
+gives them; a block wholly before a lane's window leaves that lane's state as it began
+(a decode never reads that block), and blocks before the first token's window are never
+read.
+
 Every lane is computed whether a token fills it or not: a task costs about the same per
 position with 1 token as with a full run. `torch_ops.plan_attention` sends only runs of
 at least half `rows_per_run` tokens here, the rest to `paged_decode`, a row per token.
@@ -92,8 +98,10 @@ def verify_attention(
     seq_lens: np.ndarray,
     scale: float,
     out: torch.Tensor,
+    window: int = 0,
 ) -> None:
-    """Attention of runs of consecutive new tokens of one sequence, into `out`.
+    """Attention of runs of consecutive new tokens of one sequence, into `out` (window:
+    the sliding window, 0 for none).
 
     query, out: [num_tokens, num_heads, head_dim] fp32 (strided views allowed); k_cache,
     v_cache contiguous, fp32 or bf16 (`paged_decode.supports` says which tensors
@@ -105,7 +113,9 @@ def verify_attention(
     and shared by every layer. Nothing is bounds-checked: the rows must lie in query and
     the block ids the runs need in the cache.
     """
-    job = verify_job(query, k_cache, v_cache, rows, counts, block_tables, seq_lens, scale, out)
+    job = verify_job(
+        query, k_cache, v_cache, rows, counts, block_tables, seq_lens, scale, out, window
+    )
     run_jobs([job])
 
 
@@ -119,10 +129,11 @@ def verify_job(
     seq_lens: np.ndarray,
     scale: float,
     out: torch.Tensor,
+    window: int = 0,
 ) -> Job:
     """`verify_attention`'s kernel call, for `numba_support.run_jobs` alongside others."""
     tasks = (rows, counts, block_tables, seq_lens)
-    return attention_job(compiled_kernel, query, k_cache, v_cache, tasks, scale, out)
+    return attention_job(compiled_kernel, query, k_cache, v_cache, tasks, scale, out, window)
 
 
 @functools.cache
@@ -196,6 +207,7 @@ def compiled_kernel(
         block_tables: np.ndarray,
         seq_lens: np.ndarray,
         scale: np.float32,
+        window: int,
         out: np.ndarray,
         worker: int,
         workers: int,
@@ -219,6 +231,7 @@ def compiled_kernel(
         k_wide, v_wide = stack_array((bs, nkv, d)), stack_array((bs, nkv, d))
         per_line = 64 // k_cache.itemsize  # cache elements in one 64-byte line
         length_of = np.empty(LANES, dtype=np.int64)  # lane -> its token's length
+        lo_of = np.zeros(LANES, dtype=np.int64)  # lane -> its window's first position
         num_runs = rows.shape[0]
         for turn in range((num_runs + workers - 1) // workers):
             run = snake_task(turn, worker, workers)
@@ -239,25 +252,34 @@ def compiled_kernel(
                         qt[h // group, j, lane] = q[first + r, h, j] * scale
             for lane in range(LANES):  # spare lanes: the last token's (never written out)
                 length_of[lane] = length + min(lane // group, count - 1)
+                if window > 0:
+                    lo_of[lane] = max(0, length_of[lane] - window)
+            lo_last = lo_of[LANES - 1]  # the latest window's start: the last token's
+            following_block = 0
+            if window > 0 and following < num_runs:
+                following_block = max(0, seq_lens[following] - window) // bs
             end = length + count - 1
             num_blocks = (end + bs - 1) // bs
-            for b in range(num_blocks):
+            for b in range(lo_of[0] // bs, num_blocks):
                 block = block_tables[run, b]
                 start = b * bs
                 n = min(bs, end - start)
+                # Some lane's window starts inside or after this block; some lane's after it.
+                windowed = start < lo_last
+                before = start + bs <= lo_last
                 # The block read next (this run's, else the first of the next run this
                 # worker takes) is fetched while this one is computed, a KV head at a time.
                 upcoming = block
                 if b + 1 < num_blocks:
                     upcoming = block_tables[run, b + 1]
                 elif following < num_runs:
-                    upcoming = block_tables[following, 0]
+                    upcoming = block_tables[following, following_block]
                 k_next, v_next = k_cache[upcoming], v_cache[upcoming]
                 kb = fp32_positions(k_cache[block], k_wide, n)
                 vb = fp32_positions(v_cache[block], v_wide, n)
                 # Positions every lane sees; the rest are the run's own later tokens.
                 n_all = max(0, min(n, length - start))
-                masked = n_all < n
+                masked = n_all < n or windowed
                 for kh in range(nkv):
                     for t in range(bs):
                         row = t * width + kh * d
@@ -268,11 +290,16 @@ def compiled_kernel(
                     if masked:
                         for t in range(n):
                             for lane in range(LANES):
-                                if start + t >= length_of[lane]:
+                                p = start + t
+                                if p >= length_of[lane] or p < lo_of[lane]:
                                     scores[t, lane] = -np.inf
                     lanes_copy(top, m[kh], LANES)
                     for t in range(n):
                         lanes_max(top, scores[t], LANES)
+                    if before:  # a lane that sees nothing yet: 0, not -inf - -inf = NaN
+                        for lane in range(LANES):
+                            if start + bs <= lo_of[lane]:
+                                top[lane] = 0.0
                     for t in range(n):  # score - top, rounded once
                         lanes_copy(shifted[t], scores[t], LANES)
                         lanes_fma(shifted[t], top, -1.0, LANES)
@@ -285,7 +312,8 @@ def compiled_kernel(
                     if masked:  # exp_into gives 1.6e-38 for -inf: an exact 0 instead
                         for t in range(n):
                             for lane in range(LANES):
-                                if start + t >= length_of[lane]:
+                                p = start + t
+                                if p >= length_of[lane] or p < lo_of[lane]:
                                     probs[t, lane] = 0.0
                     for t in range(n, slots):
                         lanes_copy(probs[t], 0.0, LANES)
@@ -299,6 +327,13 @@ def compiled_kernel(
                     lanes_mul(den[kh], den[kh], rescale, LANES)
                     lanes_add(den[kh], probs[0], LANES)
                     lanes_copy(m[kh], top, LANES)
+                    if before:  # as a decode: nothing read before the lane's window
+                        for lane in range(LANES):
+                            if start + bs <= lo_of[lane]:
+                                m[kh, lane] = -np.inf
+                                den[kh, lane] = 0.0
+                                for j in range(d):
+                                    acc[kh, j, lane] = 0.0
             for kh in range(nkv):
                 for j in range(d):
                     lanes_div(acc[kh, j], acc[kh, j], den[kh], LANES)

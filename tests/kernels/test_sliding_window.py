@@ -203,30 +203,42 @@ def test_split_kv_decode_with_window(make_batch: Callable, num_splits: int) -> N
     assert_close(batch, out, 130)
 
 
-def test_torch_plan_keeps_windowed_sequences_off_the_compiled_kernels(
+def test_a_windowed_plan_sends_every_sequence_to_the_compiled_kernels(
     make_batch: Callable, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The compiled CPU kernels have no window: a windowed plan gives them nothing, and a
-    plan made for one window refuses to serve another."""
+    """The compiled CPU kernels take the window as an argument: a windowed plan gives them
+    decodes and runs as a full one does, they read no freed block (-1 entries, NaN
+    blocks), and a plan made for one window refuses to serve another."""
     from pagedinfer.kernels import torch_ops
 
     monkeypatch.delenv("PAGEDINFER_CPU_KERNELS", raising=False)
-    batch = make_batch([40, 70], [1, 1], num_heads=4, num_kv_heads=2)
+    batch = make_batch(MIXED_SEQ_LENS, MIXED_QUERY_LENS, num_heads=4, num_kv_heads=2)
     full = torch_ops.plan_for(*batch.args()[:6])
-    assert full.decodes is not None and full.decodes.query_rows.size == 2
-    windowed = torch_ops.plan_for(*batch.args()[:6], sliding_window=8)
-    assert windowed.decodes is None and windowed.runs is None
-    assert windowed.sliding_window == 8
-    # Each decode gathers only the blocks its window reaches: at most 2, not 5.
-    assert [g.ctx for g in windowed.groups] == [32]
-    with pytest.raises(ValueError, match="sliding_window"):
-        torch_ops.plan_attention(*batch.args()[3:6], 16, compiled=True, sliding_window=8)
-    with pytest.raises(ValueError, match="plan: made for sliding_window=8"):
+    windowed = torch_ops.plan_for(*batch.args()[:6], sliding_window=9)
+    assert windowed.sliding_window == 9 and not windowed.groups
+    assert windowed.decodes is not None and windowed.runs is not None
+    assert windowed.decodes.query_rows.tolist() == full.decodes.query_rows.tolist()
+    with pytest.raises(ValueError, match="plan: made for sliding_window=9"):
         torch_ops.paged_attention(*batch.args(), plan=windowed)
-    free_outside_window(batch, 8)
+    assert free_outside_window(batch, 9) > 0
     assert_close(
-        batch, torch_ops.paged_attention(*batch.args(), plan=windowed, sliding_window=8), 8
+        batch, torch_ops.paged_attention(*batch.args(), plan=windowed, sliding_window=9), 9
     )
+    # Without verify runs, every token is a row of the decode kernel: the same bits, also
+    # where a run's later tokens see nothing of a block its first token sees (window 3).
+    for window in (3, 9):
+        batch = make_batch([37, 40, 70, 3], [1, 12, 8, 3], num_heads=4, num_kv_heads=2)
+        free_outside_window(batch, window)
+        windowed = torch_ops.plan_for(*batch.args()[:6], sliding_window=window)
+        assert windowed.runs is not None and windowed.runs.query_rows.size == 3
+        rows = torch_ops.plan_attention(
+            *batch.args()[3:6], batch.k_cache.shape[1], compiled=True, sliding_window=window
+        )
+        assert rows.runs is None and not rows.groups
+        by_rows = torch_ops.paged_attention(*batch.args(), plan=rows, sliding_window=window)
+        by_runs = torch_ops.paged_attention(*batch.args(), plan=windowed, sliding_window=window)
+        assert torch.equal(by_rows, by_runs)
+        assert_close(batch, by_runs, window)
 
 
 def test_metadata_keeps_one_plan_per_window(make_batch: Callable) -> None:
