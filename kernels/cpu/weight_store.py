@@ -10,10 +10,15 @@ The file: a magic line, an 8-byte little-endian header length, a JSON header lis
 shape) and each array (dtype, shape, offset), then the arrays, each 64-byte aligned.
 A store that is missing, unreadable, or does not fit the model is ignored and the grids
 are chosen again; a directory that cannot be written simply gets no store.
+
+The digest changes with every model and every version of the code, so the directory
+keeps only the stores used last (`prune`): at most MAX_STORES of them and MAX_BYTES in
+all, the one just written always. Reading a store marks it used.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -31,6 +36,8 @@ Grids = tuple[list[list[grid_gemm.GridWeight]], grid_gemm.GridWeight]
 _MAGIC = b"pagedinfer-cpu-grids\n"
 _VERSION = 1
 _ALIGN = 64
+MAX_STORES = 4
+MAX_BYTES = 16 * 2**30
 # Each kind read back as grid_gemm's own string object, not an equal one from the JSON:
 # numba keys a kernel's disk cache on a pickle of its closure, and pickle writes a string
 # met twice as a back-reference only where it is the same object, so an equal copy would
@@ -71,7 +78,31 @@ def save(path: Path, grids: Grids) -> bool:
     except OSError as err:
         log.debug("CPU executor: no weight store written at %s: %s", path, err)
         return False
+    prune(path.parent, keep=path)
     return True
+
+
+def prune(directory: Path, keep: Path) -> list[Path]:
+    """Delete the stores in `directory` used longest ago (by modification time, which
+    `load` renews) until at most MAX_STORES remain holding at most MAX_BYTES, never `keep`;
+    the deleted paths. A store another process still reads stays readable to it."""
+    stores = []
+    for store in directory.glob("*.bin"):
+        with contextlib.suppress(OSError):  # deleted meanwhile by another process's prune
+            stat = store.stat()
+            stores.append((store != keep, -stat.st_mtime_ns, stat.st_size, store))
+    stores.sort()  # `keep` first, then the most recently used
+    deleted, count, total = [], 0, 0
+    for _, _, size, store in stores:
+        count, total = count + 1, total + size
+        if store != keep and (count > MAX_STORES or total > MAX_BYTES):
+            with contextlib.suppress(OSError):
+                store.unlink()
+                deleted.append(store)
+                count, total = count - 1, total - size
+    if deleted:
+        log.info("CPU executor: deleted %d weight stores used longest ago", len(deleted))
+    return deleted
 
 
 def load(path: Path, shapes: list[list[tuple[int, int]]]) -> Grids | None:
@@ -115,6 +146,8 @@ def load(path: Path, shapes: list[list[tuple[int, int]]]) -> Grids | None:
     if have != want or len(grids) != len(want):
         log.warning("CPU executor: ignoring the weight store %s: it holds other shapes", path)
         return None
+    with contextlib.suppress(OSError):
+        os.utime(path)  # used now: `prune` keeps it over those used longer ago
     return layers, lm_head
 
 

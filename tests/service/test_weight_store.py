@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -246,3 +247,41 @@ def test_bf16_product_weights_come_back_as_their_words(tmp_path: Path) -> None:
         assert stored.kind is (grid_gemm.BF16 if ours is head else grid_gemm.BF16_DOT)
         assert stored.codes.dtype == ours.codes.dtype
         assert torch.equal(stored.dense(), ours.dense())
+
+
+def test_the_directory_keeps_only_the_stores_used_last(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(weight_store, "MAX_STORES", 3)
+    monkeypatch.setattr(weight_store, "MAX_BYTES", 1000)
+    stores = [tmp_path / f"{i}.bin" for i in range(5)]
+    for age, store in enumerate(stores):  # stores[0] used last
+        store.write_bytes(b"x" * 100)
+        os.utime(store, ns=(10**18 - age * 10**9,) * 2)
+    other = tmp_path / "other.txt"  # not a store: never touched
+    other.write_text("kept")
+    oldest = stores[-1]
+    assert weight_store.prune(tmp_path, keep=oldest) == [stores[2], stores[3]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0.bin", "1.bin", "4.bin", "other.txt"]
+    # Bytes bound it too: a large store pushes out every other.
+    (tmp_path / "big.bin").write_bytes(b"x" * 950)
+    assert weight_store.prune(tmp_path, keep=tmp_path / "big.bin") == [
+        stores[0], stores[1], stores[4]
+    ]  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.bin", "other.txt"]
+
+
+def test_reading_a_store_marks_it_used_and_writing_prunes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(weight_store, "MAX_STORES", 2)
+    model = mixed_kinds_model()
+    assert cpu.prepare(copy.deepcopy(model), BLOCK_SIZE, store=tmp_path / "a.bin") is not None
+    for used, name in enumerate(("a.bin", "b.bin", "c.bin"), start=1):
+        if name != "a.bin":
+            shutil.copy(tmp_path / "a.bin", tmp_path / name)
+        os.utime(tmp_path / name, ns=(used, used))  # a.bin used longest ago
+    grids = weight_store.load(tmp_path / "a.bin", executor_module.gemm_shapes(model))
+    assert grids is not None  # and a.bin is now the one used last
+    assert weight_store.save(tmp_path / "d.bin", grids)
+    assert sorted(p.name for p in tmp_path.glob("*.bin")) == ["a.bin", "d.bin"]
