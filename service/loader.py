@@ -12,6 +12,9 @@ blocks hold, for backends that compute from them.
 The cache lives in `$PAGEDINFER_CACHE_DIR`, else `$XDG_CACHE_HOME/pagedinfer`, else
 `~/.cache/pagedinfer`. Conversions are written to a temporary directory and renamed
 into place under a file lock, so concurrent processes never see a half-written model.
+Each records its source (`_SOURCE_RECORD`); a new conversion deletes those whose source
+file is gone or changed, or that an older version of the conversion wrote, so the cache
+does not grow with every reinstall or update.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # Bump when the layout of converted models changes, so stale caches are not reused.
 _CONVERSION_VERSION = 2  # 2: Llama 3 rope scaling from the rope_freqs factors
+_SOURCE_RECORD = "pagedinfer-source.json"  # in a conversion: what it was converted from
 
 
 @dataclass
@@ -116,10 +120,8 @@ def ensure_converted_gguf(gguf_path: Path) -> Path:
     while the others wait on the lock, then all reuse the result.
     """
     gguf_path = Path(gguf_path).resolve()
-    stat = gguf_path.stat()
-    key = hashlib.sha256(
-        f"{gguf_path}|{stat.st_size}|{stat.st_mtime_ns}|{_CONVERSION_VERSION}".encode()
-    ).hexdigest()[:12]
+    source = _source_of(gguf_path)
+    key = hashlib.sha256("|".join(map(str, source.values())).encode()).hexdigest()[:12]
     target = cache_dir() / "models" / f"{gguf_path.stem}-{key}"
     if _is_complete(target):
         return target
@@ -130,13 +132,52 @@ def ensure_converted_gguf(gguf_path: Path) -> Path:
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
             _convert_gguf(gguf_path, staging)
+            (staging / _SOURCE_RECORD).write_text(json.dumps(source))
             staging.chmod(0o755)  # mkdtemp makes it private; the cache is shared
             if target.exists():  # a leftover without its completion marker
                 shutil.rmtree(target)
             staging.rename(target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+    prune_stale_conversions(target.parent)
     return target
+
+
+def _source_of(gguf_path: Path) -> dict[str, Any]:
+    """What a conversion of `gguf_path` depends on: the file (by path, size and time)
+    and the conversion's version."""
+    stat = gguf_path.stat()
+    return {
+        "path": str(gguf_path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+        "version": _CONVERSION_VERSION,
+    }  # fmt: skip
+
+
+def prune_stale_conversions(models: Path) -> list[Path]:
+    """Delete the conversions under `models` that no start will use again: their
+    recorded source file is gone or changed, or an older conversion version wrote them.
+    One that another process holds the lock of is left; the deleted directories."""
+    deleted = []
+    for record in models.glob(f"*/{_SOURCE_RECORD}"):
+        directory = record.parent
+        try:
+            source = json.loads(record.read_text())
+            if source == _source_of(Path(source["path"])):
+                continue
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # its source is gone, or the record unreadable: nothing can match it
+        lock = directory.with_name(directory.name + ".lock")
+        with contextlib.suppress(OSError), open(lock, "a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # being converted again right now
+            shutil.rmtree(directory)
+            lock.unlink()
+            deleted.append(directory)
+    if deleted:
+        logger.info("deleted %d stale GGUF conversions from the cache", len(deleted))
+    return deleted
 
 
 def _is_complete(directory: Path) -> bool:

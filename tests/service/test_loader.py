@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -162,6 +164,46 @@ def test_failed_conversion_leaves_nothing_behind(
     with pytest.raises(RuntimeError, match="disk full"):
         ensure_converted_gguf(fake_gguf(tmp_path))
     assert [p.suffix for p in (tmp_path / "cache" / "models").iterdir()] == [".lock"]
+
+
+def test_a_conversion_deletes_those_no_start_will_use_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A reinstalled or updated file (new time), a deleted file, or an older conversion
+    version leaves its conversion stale; the next conversion deletes it, but not one
+    whose lock another process holds, nor a directory that is not a conversion."""
+    monkeypatch.setenv("PAGEDINFER_CACHE_DIR", str(tmp_path / "cache"))
+
+    def convert(gguf_path: Path, out_dir: Path) -> None:
+        (out_dir / "config.json").write_text("{}")
+        (out_dir / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(loader, "_convert_gguf", convert)
+    files = {name: tmp_path / f"{name}.gguf" for name in ("kept", "updated", "gone", "held")}
+    for path in files.values():
+        path.write_bytes(b"GGUF")
+    first = {name: ensure_converted_gguf(path) for name, path in files.items()}
+    models = tmp_path / "cache" / "models"
+    (models / "checkpoint").mkdir()  # e.g. a benchmark's checkpoint: no source record
+    os.utime(files["updated"], ns=(1, 1))
+    files["gone"].unlink()
+    files["held"].unlink()
+    with open(models / (first["held"].name + ".lock"), "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        updated = ensure_converted_gguf(files["updated"])
+    assert updated != first["updated"]
+    assert sorted(p.name for p in models.iterdir() if p.suffix != ".lock") == sorted(
+        [first["kept"].name, updated.name, first["held"].name, "checkpoint"]
+    )
+    assert not (models / (first["gone"].name + ".lock")).exists()
+    # An older conversion version's output is stale too.
+    monkeypatch.setattr(loader, "_CONVERSION_VERSION", loader._CONVERSION_VERSION + 1)
+    again = ensure_converted_gguf(files["kept"])
+    assert again != first["kept"]
+    # The lock is free now, so the conversion of the deleted file went too.
+    assert sorted(p.name for p in models.iterdir()) == sorted(
+        [again.name, again.name + ".lock", "checkpoint"]
+    )
 
 
 # --- local Hugging Face directories -----------------------------------------------
