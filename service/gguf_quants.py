@@ -13,7 +13,8 @@ IQ4_NL and IQ4_XS pick each weight's level from a table of 16 (`IQ4_LEVELS`) by 
 index: their codes are those levels, with fp16 d per 32 (IQ4_NL) or fp32 d per run of 32,
 the super-block's fp16 scale times a 6-bit one less 32 (IQ4_XS), and no m. Backends that
 compute from such grids take them from here instead of rediscovering them in the fp32
-values.
+values. A super-block type's grid also keeps its scales as the file does (`SuperScales`:
+fp16 per 256 inputs, a small integer per run), from which d and m are those products.
 """
 
 from __future__ import annotations
@@ -39,6 +40,44 @@ class BlockFormat:
 
 
 @dataclass(frozen=True)
+class SuperScales:
+    """A super-block type's scales as its blocks keep them: per SUPER_BLOCK inputs an fp16
+    d (and dmin), per run a small integer scale (and min), so that the run's d is fp32(d *
+    scale) and its m is -fp32(dmin * min), both exact in fp32 (an fp16 times at most 8
+    bits). Without offsets, dmin and mins are None."""
+
+    d: np.ndarray  # fp16 [rows, in_features / SUPER_BLOCK]
+    scales: np.ndarray  # int8 [rows, runs]
+    dmin: np.ndarray | None = None  # fp16 as d
+    mins: np.ndarray | None = None  # uint8 as scales
+
+    def repeated(self, times: int) -> SuperScales:
+        """Each run's scale (and min) repeated `times` times: the same weights in runs of
+        1 / times the inputs."""
+        mins = None if self.mins is None else np.repeat(self.mins, times, axis=1)
+        return SuperScales(self.d, np.repeat(self.scales, times, axis=1), self.dmin, mins)
+
+    def with_offsets(self) -> SuperScales:
+        """With dmin and mins (zeros where there were none), as the offset-free parts of a
+        weight whose other parts have offsets keep them."""
+        if self.mins is not None:
+            return self
+        return SuperScales(
+            self.d, self.scales, np.zeros_like(self.d), np.zeros(self.scales.shape, np.uint8)
+        )
+
+    def products(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """(d, m) per run, fp32 [rows, runs] (m None without offsets), as the
+        dequantisation computes them."""
+        per_super = self.scales.shape[1] // self.d.shape[1]
+        d = np.repeat(self.d.astype(np.float32), per_super, axis=1) * self.scales.astype(np.float32)
+        if self.mins is None or self.dmin is None:
+            return d, None
+        dmin = np.repeat(self.dmin.astype(np.float32), per_super, axis=1)
+        return d, -(dmin * self.mins.astype(np.float32))
+
+
+@dataclass(frozen=True)
 class BlockGrid:
     """Rows of weights that are exactly fp32(d * q) + m in each run of `group` inputs:
     integer codes q in low..high, scales d and offsets m per run: fp16 per run of 32
@@ -50,6 +89,7 @@ class BlockGrid:
     m: np.ndarray  # as d
     low: int
     high: int
+    supers: SuperScales | None = None  # d and m as the super-block types keep them
 
     @property
     def rows(self) -> int:
@@ -73,27 +113,46 @@ class BlockGrid:
         times = self.group // FINE_BLOCK
         d = np.repeat(self.d.astype(np.float32), times, axis=1)
         m = np.repeat(self.m.astype(np.float32), times, axis=1)
-        return BlockGrid(self.codes, d, m, self.low, self.high)
+        supers = None if self.supers is None else self.supers.repeated(times)
+        return BlockGrid(self.codes, d, m, self.low, self.high, supers)
 
 
 def concatenate(grids: Iterable[BlockGrid]) -> BlockGrid:
     """Grids stacked along their rows (a fused weight from its parts): the codes' range
     is the union of theirs; parts with different runs all become fine, parts with the
-    same runs and different scale types get fp32 scales (which hold fp16's exactly)."""
+    same runs and different scale types get fp32 scales (which hold fp16's exactly).
+    Where every part keeps `SuperScales`, so does the whole (with offsets where a part
+    has them)."""
     grids = list(grids)
     if len({g.group for g in grids}) > 1:
         grids = [g.fine() for g in grids]
     elif len({g.d.dtype for g in grids}) > 1:
         grids = [
-            BlockGrid(g.codes, g.d.astype(np.float32), g.m.astype(np.float32), g.low, g.high)
+            BlockGrid(
+                g.codes, g.d.astype(np.float32), g.m.astype(np.float32), g.low, g.high, g.supers
+            )
             for g in grids
         ]
+    parts = [g.supers for g in grids]
+    supers = None
+    if all(p is not None for p in parts):
+        held = [p for p in parts if p is not None]
+        if any(p.mins is not None for p in held):
+            held = [p.with_offsets() for p in held]
+        offsets = held[0].mins is not None
+        supers = SuperScales(
+            d=np.concatenate([p.d for p in held]),
+            scales=np.concatenate([p.scales for p in held]),
+            dmin=np.concatenate([p.dmin for p in held]) if offsets else None,  # type: ignore[misc]
+            mins=np.concatenate([p.mins for p in held]) if offsets else None,  # type: ignore[misc]
+        )
     return BlockGrid(
         codes=np.concatenate([g.codes for g in grids]),
         d=np.concatenate([g.d for g in grids]),
         m=np.concatenate([g.m for g in grids]),
         low=min(g.low for g in grids),
         high=max(g.high for g in grids),
+        supers=supers,
     )
 
 
@@ -175,10 +234,10 @@ def _scaled_decoder(name: str) -> Callable[[np.ndarray], np.ndarray]:
 
 
 def _k4_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K's 12 bytes of 6-bit scales and mins as 8 each, fp32 [blocks, 8]."""
+    """Q4_K/Q5_K's 12 bytes of 6-bit scales and mins as 8 each, uint8 [blocks, 8]."""
     sc = np.concatenate((s[:, 0:4] & 63, (s[:, 8:12] & 15) | ((s[:, 0:4] >> 6) << 4)), axis=1)
     mn = np.concatenate((s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)), axis=1)
-    return sc.astype(np.float32), mn.astype(np.float32)
+    return sc, mn
 
 
 def _by_chunks(low: np.ndarray, high: np.ndarray) -> np.ndarray:
@@ -187,22 +246,34 @@ def _by_chunks(low: np.ndarray, high: np.ndarray) -> np.ndarray:
     return np.stack((low, high), axis=2).reshape(low.shape[0], 8, 32)
 
 
-# Each K-quant's parts: codes int16 [blocks, 256], and fp32 d and m (None: no offset)
-# [blocks, runs], one per run of 32 (Q4_K, Q5_K) or 16 values, so that a value is
-# fp32(d * q) + m.
-KParts = tuple[np.ndarray, np.ndarray, np.ndarray | None]
+# Each K-quant's parts: codes int16 [blocks, 256], and its scales (one super-block a row)
+# with a run of 32 (Q4_K, Q5_K, IQ4_XS) or 16 values, so that a value is fp32(d * q) + m.
+KParts = tuple[np.ndarray, SuperScales]
+
+
+def _supers(
+    d: np.ndarray,
+    scales: np.ndarray,
+    dmin: np.ndarray | None = None,
+    mins: np.ndarray | None = None,
+) -> SuperScales:
+    """SuperScales of blocks' fp16 fields [blocks, 2] and integer scales [blocks, runs]."""
+    return SuperScales(
+        d=d.copy().view(np.float16),
+        scales=scales.astype(np.int8),
+        dmin=None if dmin is None else dmin.copy().view(np.float16),
+        mins=None if mins is None else mins.astype(np.uint8),
+    )
 
 
 def _q4_k(raw: np.ndarray) -> KParts:
-    d, dmin = _f16(raw[:, 0:2]), _f16(raw[:, 2:4])
     sc, mn = _k4_scales(raw[:, 4:16])
     qs = raw[:, 16:144].reshape(-1, 4, 32)
     q = _by_chunks(qs & 15, qs >> 4).astype(np.int16).reshape(-1, SUPER_BLOCK)
-    return q, d * sc, -(dmin * mn)
+    return q, _supers(raw[:, 0:2], sc, raw[:, 2:4], mn)
 
 
 def _q5_k(raw: np.ndarray) -> KParts:
-    d, dmin = _f16(raw[:, 0:2]), _f16(raw[:, 2:4])
     sc, mn = _k4_scales(raw[:, 4:16])
     qh = raw[:, 16:48]  # [blocks, 32]: bit 2c of byte l is value l of chunk c's low half
     qs = raw[:, 48:176].reshape(-1, 4, 32)
@@ -210,38 +281,34 @@ def _q5_k(raw: np.ndarray) -> KParts:
     low = (qs & 15) + (((qh[:, None, :] >> (2 * chunk)) & 1) << 4)
     high = (qs >> 4) + (((qh[:, None, :] >> (2 * chunk + 1)) & 1) << 4)
     q = _by_chunks(low, high).astype(np.int16).reshape(-1, SUPER_BLOCK)
-    return q, d * sc, -(dmin * mn)
+    return q, _supers(raw[:, 0:2], sc, raw[:, 2:4], mn)
 
 
 def _q6_k(raw: np.ndarray) -> KParts:
     ql = raw[:, 0:128].reshape(-1, 2, 64)
     qh = raw[:, 128:192].reshape(-1, 2, 1, 32)
-    sc = raw[:, 192:208].view(np.int8).astype(np.float32)  # [blocks, 16]
-    d = _f16(raw[:, 208:210])
+    sc = raw[:, 192:208].view(np.int8)  # [blocks, 16]
     # Per half of 128 values: four runs of 32, from ql's low nibbles (bytes 0..31, then
     # 32..63), then its high nibbles; each run's 2 high bits from qh at shifts 0, 2, 4, 6.
     low4 = np.concatenate((ql[:, :, None, 0:32], ql[:, :, None, 32:64]), axis=2)
     low4 = np.concatenate((low4 & 15, low4 >> 4), axis=2)  # [blocks, 2, 4, 32]
     shifts = (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]
     q = (low4 | (((qh >> shifts) & 3) << 4)).astype(np.int16) - 32
-    return q.reshape(-1, SUPER_BLOCK), d * sc, None  # d * sc, then times q
+    return q.reshape(-1, SUPER_BLOCK), _supers(raw[:, 208:210], sc)  # d * sc, then times q
 
 
 def _q2_k(raw: np.ndarray) -> KParts:
     scales = raw[:, 0:16]  # [half, shift, run of 16] flattened
     qs = raw[:, 16:80].reshape(-1, 2, 1, 2, 16)
-    d, dmin = _f16(raw[:, 80:82]), _f16(raw[:, 82:84])
     shifts = (2 * np.arange(4, dtype=np.uint8))[None, None, :, None, None]
     q = ((qs >> shifts) & 3).astype(np.int16).reshape(-1, SUPER_BLOCK)
-    dl = d * (scales & 15).astype(np.float32)
-    return q, dl, -(dmin * (scales >> 4).astype(np.float32))
+    return q, _supers(raw[:, 80:82], scales & 15, raw[:, 82:84], scales >> 4)
 
 
 def _q3_k(raw: np.ndarray) -> KParts:
     hmask = raw[:, 0:32].reshape(-1, 1, 1, 2, 16)
     qs = raw[:, 32:96].reshape(-1, 2, 1, 2, 16)
     s = raw[:, 96:108]
-    d = _f16(raw[:, 108:110])
     low, high = s[:, 0:8], s[:, 8:12]
     six = np.concatenate(
         (
@@ -252,23 +319,22 @@ def _q3_k(raw: np.ndarray) -> KParts:
         ),
         axis=1,
     )
-    dl = d * (six.astype(np.float32) - 32)  # [blocks, 16]: 8 per half, 2 per shift
+    scales = six.astype(np.int16) - 32  # [blocks, 16]: 8 per half, 2 per shift
     shifts = (2 * np.arange(4, dtype=np.uint8))[None, None, :, None, None]
     bit = np.arange(8, dtype=np.uint8).reshape(1, 2, 4, 1, 1)  # hmask bit 4 * half + shift
     lows = ((qs >> shifts) & 3).astype(np.int16)
     q = lows - np.where((hmask >> bit) & 1, np.int16(0), np.int16(4))
-    return q.reshape(-1, SUPER_BLOCK), dl, None
+    return q.reshape(-1, SUPER_BLOCK), _supers(raw[:, 108:110], scales)
 
 
 def _iq4_xs(raw: np.ndarray) -> KParts:
-    d = _f16(raw[:, 0:2])
     high = raw[:, 2:4].copy().view(np.uint16)  # 2 high bits of run r's scale at bit 2r
     low = raw[:, 4:8]  # 4 low bits of run 2i's scale in byte i's low nibble, 2i + 1's high
     runs = np.arange(8, dtype=np.uint16)
     six = _nibbles(low)[:, [0, 4, 1, 5, 2, 6, 3, 7]] | (((high >> (2 * runs)) & 3) << 4)
     qs = raw[:, 8:136].reshape(-1, 8, 16)  # per run of 32: 16 bytes, as IQ4_NL's block
     q = IQ4_LEVELS[_nibbles(qs)].reshape(-1, SUPER_BLOCK)
-    return q, d * (six.astype(np.float32) - 32), None  # d * (scale - 32), then times q
+    return q, _supers(raw[:, 0:2], six.astype(np.int16) - 32)  # d * (scale - 32), times q
 
 
 _K_PARTS: dict[str, Callable[[np.ndarray], KParts]] = {
@@ -294,7 +360,8 @@ def _k_decoder(name: str) -> Callable[[np.ndarray], np.ndarray]:
     parts = _K_PARTS[name]
 
     def decode(raw: np.ndarray) -> np.ndarray:
-        q, d, m = parts(raw)
+        q, supers = parts(raw)
+        d, m = supers.products()
         runs = q.astype(np.float32).reshape(-1, d.shape[1], SUPER_BLOCK // d.shape[1])
         y = d[:, :, None] * runs  # llama.cpp: d * q, then - min where there is one
         return (y if m is None else y + m[:, :, None]).reshape(-1, SUPER_BLOCK)
@@ -374,11 +441,17 @@ def block_grid(raw: np.ndarray, type_name: str) -> BlockGrid | None:
     exactly (d * (q - 8) is exact in fp32), unless -8d overflows fp16: then codes -8..7."""
     rows = raw.shape[0]
     if type_name in _K_PARTS:
-        q, d, m = _K_PARTS[type_name](_blocks(raw, FORMATS[type_name]))
-        d = d.reshape(rows, -1)
-        m = np.zeros_like(d) if m is None else m.reshape(rows, -1)
+        q, parts = _K_PARTS[type_name](_blocks(raw, FORMATS[type_name]))
+        supers = SuperScales(
+            d=parts.d.reshape(rows, -1),
+            scales=parts.scales.reshape(rows, -1),
+            dmin=None if parts.dmin is None else parts.dmin.reshape(rows, -1),
+            mins=None if parts.mins is None else parts.mins.reshape(rows, -1),
+        )
+        d, m = supers.products()
+        m = np.zeros_like(d) if m is None else m
         low, high = _K_RANGES[type_name]
-        return BlockGrid(q.astype(np.int8).reshape(rows, -1), d, m, low, high)
+        return BlockGrid(q.astype(np.int8).reshape(rows, -1), d, m, low, high, supers)
     if type_name not in _SCALED_PARTS:
         return None
     fmt = FORMATS[type_name]

@@ -5,8 +5,11 @@ fp32 weights that are all grid points: in each run of 32 inputs of an output row
 w = fp16(d) * q + fp16(m) with q in 0..15 (4-bit, affine) or w = fp16(d) * q with q in
 -127..127 (8-bit). `to_grid` finds that grid and keeps it in 5 (4-bit) or 9 (8-bit) bits
 a weight instead of 32. A GGUF K-quant's weight is d * q + m with fp32 d and m, per run
-of 32 inputs (Q4_K, Q5_K: the 4-bit or 8-bit grid with fp32 scales) or 16 (the others:
-FINE8, 12 bits a weight); `from_codes` keeps the file's blocks as those grids.
+of 32 inputs (Q4_K, Q5_K, IQ4_XS: the 4-bit or 8-bit grid) or 16 (the others: FINE8, or
+FINE6 where the codes fit 6 bits, as Q6_K's do), each d and m the product of an fp16 per
+256 inputs and a small integer per run; `from_codes` keeps the file's blocks as those
+grids, with the scales as the file keeps them (SUPER), multiplied out in registers as
+the dequantisation multiplies them: Q4_K in 4.6 bits a weight, Q6_K in 6.6.
 Weights on no grid run the same kernels from fp32 tiles (REBUILT), or from their 16 bits
 where every value is a bf16 or an fp16 (BF16, FP16). A model served in bf16 multiplies in
 bf16 (BF16_DOT: weights and inputs rounded to bf16, products summed in fp32, two inputs
@@ -26,9 +29,16 @@ Layouts: 16 output columns form a tile (a vector of fp32 lanes).
 - 4-bit: codes uint8 [tiles, K / 2, 16], byte (t, p, j) = q[16t + j, 2p] + 16 q[16t + j,
   2p + 1]; scales uint16 (fp16 bits) [tiles, K / 32, 2, 16]: d then m.
 - 8-bit: codes int8 [tiles, K, 16]; scales uint16 [tiles, K / 32, 2, 16] (m is 0).
-- any of those with fp32 scales [tiles, K / 32, 2, 16] (a GGUF Q4_K or Q5_K).
+- any of those with fp32 scales [tiles, K / 32, 2, 16].
 - fine 8-bit (FINE8: a GGUF K-quant, or a weight whose parts differ in grid): codes int8
   [tiles, K, 16]; scales fp32 [tiles, K / 16, 2, 16], d then m.
+- fine 6-bit (FINE6): codes -32..31 in uint8 [tiles, 3K / 4, 16], per 4 inputs three rows:
+  the 4 low bits of the first two (as the 4-bit pairs), of the last two, then all four's
+  2 high bits; scales as FINE8's.
+- SUPER scales (a GGUF super-block type's, in place of any grid's fp32 scales) [tiles, K /
+  256, bytes]: per tile and 256 inputs, the 16 lanes' fp16 d (and dmin), then per run the
+  16 lanes' int8 scales (and uint8 mins): d = fp32(d * scale), m = -fp32(dmin * min);
+  uint8 with mins (64 + 32 bytes a run), int8 without (32 + 16 bytes a run).
 - on no grid: fp32 as it is (REBUILT: codes fp32 [tiles, K, 16]), or, where every value
   is a bf16 or an fp16 (a checkpoint stored in that type), its 16 bits (BF16, FP16: codes
   uint16 [tiles, K, 16]), widened to fp32 exactly in registers; no scales.
@@ -107,7 +117,13 @@ AFFINE4, SCALED8 = "affine4", "scaled8"
 # K-quants' runs of 16 with scales that are products of two (exact in fp32, not in fp16).
 FINE8 = "fine8"
 FINE_BLOCK = 16
-GRIDS = (AFFINE4, SCALED8, FINE8)
+# FINE8's weights whose codes fit 6 bits (-32..31: a GGUF Q6_K's, and Q4_K's beside them
+# in one fused weight), in 6 bits: codes uint8 [tiles, 3K / 4, 16], per 4 inputs 4i ..
+# 4i + 3 three rows: the low 4 bits of inputs 4i and 4i + 1 (as AFFINE4 pairs them), of
+# 4i + 2 and 4i + 3, then the high 2 bits of all four (input 4i + h at bit 2h).
+FINE6 = "fine6"
+GRIDS = (AFFINE4, SCALED8, FINE8, FINE6)
+FINE = (FINE8, FINE6)  # the kinds of runs of FINE_BLOCK inputs
 # Weights already rebuilt in fp32 (codes: fp32 [tiles, K, 16]): calls of more than MAX_ROWS
 # rows rebuild a tile group once into scratch and run every row over it.
 REBUILT = "rebuilt"
@@ -185,6 +201,15 @@ class GridWeight:
 
 def _codes(kind: str, codes: np.ndarray) -> np.ndarray:
     """A grid's codes, one per weight: int8 [tiles, K, 16]."""
+    if kind == FINE6:
+        tiles, rows = codes.shape[:2]
+        rows3 = codes.reshape(tiles, rows // 3, 3, LANES).astype(np.int16)
+        q = np.empty((tiles, rows // 3, 4, LANES), dtype=np.int16)
+        for h in range(4):
+            low = rows3[:, :, h // 2] >> (4 * (h % 2)) & 15
+            q[:, :, h] = low | ((rows3[:, :, 2] >> (2 * h) & 3) << 4)
+        q = np.where(q >= 32, q - 64, q)
+        return q.reshape(tiles, rows // 3 * 4, LANES).astype(np.int8)
     if kind != AFFINE4:
         return codes.view(np.int8) if codes.dtype == np.uint8 else codes
     tiles, pairs = codes.shape[:2]
@@ -195,7 +220,32 @@ def _codes(kind: str, codes: np.ndarray) -> np.ndarray:
 
 def block_of(kind: str) -> int:
     """Inputs per scale of a grid of `kind`."""
-    return FINE_BLOCK if kind == FINE8 else GRID_BLOCK
+    return FINE_BLOCK if kind in FINE else GRID_BLOCK
+
+
+def steps_of(kind: str) -> int:
+    """Inputs one step of a kernel rebuilds (`_dequant`)."""
+    return 2 if kind in (AFFINE4, BF16_DOT, FINE6) else 1
+
+
+def code_rows(kind: str, in_features: int) -> int:
+    """Rows of 16 codes a tile of a weight of `kind` takes."""
+    if kind == FINE6:
+        return in_features // 4 * 3
+    return in_features // steps_of(kind)
+
+
+def six_bit(q: np.ndarray) -> np.ndarray:
+    """Codes int8 [tiles, K, 16] in -32..31 in FINE6's layout."""
+    tiles, k = q.shape[:2]
+    bits = q.view(np.uint8).reshape(tiles, k // 4, 4, LANES) & np.uint8(63)
+    low, high = bits & np.uint8(15), bits >> np.uint8(4)
+    packed = np.empty((tiles, k // 4, 3, LANES), dtype=np.uint8)
+    packed[:, :, 0] = low[:, :, 0] | (low[:, :, 1] << np.uint8(4))
+    packed[:, :, 1] = low[:, :, 2] | (low[:, :, 3] << np.uint8(4))
+    packed[:, :, 2] = high[:, :, 0] | (high[:, :, 1] << np.uint8(2))
+    packed[:, :, 2] |= (high[:, :, 2] << np.uint8(4)) | (high[:, :, 3] << np.uint8(6))
+    return packed.reshape(tiles, k // 4 * 3, LANES)
 
 
 def _fp32_scales(scales: np.ndarray) -> np.ndarray:
@@ -209,8 +259,8 @@ def _fp32_scales(scales: np.ndarray) -> np.ndarray:
 
 
 def super_layout(scales: np.ndarray) -> tuple[int, int] | None:
-    """(bytes before the runs, bytes a run) in each super-block of SUPER scales (`with_offsets`
-    uint8, or int8 without), None for scales of another type."""
+    """(bytes before the runs, bytes a run) in each super-block of SUPER scales (uint8:
+    with mins; int8: without), None for scales of another type."""
     if scales.dtype == np.uint8:
         return 4 * LANES, 2 * LANES
     if scales.dtype == np.int8:
@@ -272,7 +322,7 @@ def fine(grid: GridWeight) -> GridWeight:
     if grid.kind not in GRIDS:
         raise ValueError(f"fine: {grid.kind} weights are on no grid")
     codes = np.ascontiguousarray(_codes(grid.kind, grid.codes))
-    scales = np.repeat(_fp32_scales(grid.scales), GRID_BLOCK // FINE_BLOCK, axis=1)
+    scales = np.repeat(_fp32_scales(grid.scales), block_of(grid.kind) // FINE_BLOCK, axis=1)
     return GridWeight(FINE8, grid.out_features, grid.in_features, codes, scales)
 
 
@@ -287,7 +337,7 @@ def one_kind(grids: list[GridWeight]) -> list[GridWeight] | None:
     kinds = {g.kind for g in grids}
     if not kinds <= set(GRIDS):
         return None
-    if FINE8 in kinds:
+    if kinds & set(FINE):
         return [fine(g) for g in grids]
     kind = AFFINE4 if kinds == {AFFINE4} else SCALED8
     return [
@@ -387,7 +437,7 @@ def holds(grid: GridWeight, weight: torch.Tensor) -> bool:
     if tuple(weight.shape) != (grid.out_features, grid.in_features):
         return False
     scales = _fp32_scales(grid.scales)  # [tiles, blocks, 2, 16]
-    codes = grid.codes.view(np.uint8) if grid.kind == AFFINE4 else grid.codes
+    codes = grid.codes.view(np.uint8) if grid.kind == AFFINE4 else _codes(grid.kind, grid.codes)
     return bool(_holds(weight.detach().contiguous().numpy(), codes, scales))
 
 
@@ -442,6 +492,8 @@ def from_codes(
     if k // runs == FINE_BLOCK:
         kind, packed = FINE8, np.ascontiguousarray(tiled, dtype=np.int8)
         d, m = d.astype(np.float32), m.astype(np.float32)
+        if low >= -32 and high <= 31:
+            kind, packed = FINE6, six_bit(packed)
     elif low >= 0 and high <= 15:
         kind, q = AFFINE4, tiled.view(np.uint8)
         packed = np.ascontiguousarray(q[:, 0::2] | (q[:, 1::2] << np.uint8(4)))
@@ -612,17 +664,20 @@ def _block_scales(typingctx: Any, dm: Any, scales: Any, sat: Any, runs: Any) -> 
 
 
 @intrinsic
-def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, dm: Any) -> Any:
+def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, dm: Any, i: Any) -> Any:
     """The weights of one step of the inputs for one tile, rebuilt as fp32(d * q) + m, each
     operation rounded once as the dequantisation rounded them (d * q is exact in fp32: an
     fp16 times a code of at most 8 bits, so one fused multiply-add gives the same bits):
     4-bit: w[0] and w[1] from the 16 bytes codes[at:] (inputs 2p and 2p + 1); 8-bit: w[0]
     from codes[at:]; d, m: dm[0] and dm[1] (`_block_scales`). Rebuilt: w[0] is the 16 fp32
     values codes[at:], as they are (BF16_DOT: its 16 words of two bf16s, bit for bit);
-    BF16 and FP16: their 16 values widened (dm unused)."""
+    BF16 and FP16: their 16 values widened (dm unused). 6-bit (FINE6): w[0] and w[1],
+    inputs i and i + 1, from their 4 low bits' 16 bytes codes[at:] and the high bits' 16
+    bytes of their group of 4 inputs, which follow the group's low bits."""
     if not isinstance(kind, types.StringLiteral):
         return None
     affine = kind.literal_value == AFFINE4
+    six = kind.literal_value == FINE6
     rebuilt = kind.literal_value in (REBUILT, BF16_DOT)  # 16 words a step, as they are
     narrow = kind.literal_value if kind.literal_value in (BF16, FP16) else None
 
@@ -655,7 +710,38 @@ def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, dm: Any) ->
         d = builder.load(vector_at(4, zero, ir.FloatType()), align=4)
         m = builder.load(vector_at(4, ir.Constant(ir.IntType(64), LANES), ir.FloatType()), align=4)
         raw = builder.load(vector_at(2, args[3], ir.IntType(8)), align=1)
-        if affine:
+        if six:
+            i64 = ir.IntType(64)
+            index = context.cast(builder, args[5], signature.args[5], types.int64)
+            part = builder.and_(builder.lshr(index, i64(1)), i64(1))  # 0: inputs 4g, 4g + 1
+            at = context.cast(builder, args[3], signature.args[3], types.int64)
+            high_at = builder.add(at, builder.mul(builder.sub(i64(2), part), i64(LANES)))
+            high = builder.zext(builder.load(vector_at(2, high_at, ir.IntType(8)), align=1), i32)
+            shift = builder.trunc(builder.mul(part, i64(4)), ir.IntType(32))
+            spread = builder.shuffle_vector(
+                builder.insert_element(ir.Constant(i32, ir.Undefined), shift, ir.IntType(32)(0)),
+                ir.Constant(i32, ir.Undefined),
+                ir.Constant(i32, [0] * LANES),
+            )
+            high = builder.lshr(high, spread)
+            wide = builder.zext(raw, i32)
+            codes = []
+            for low, up in (
+                (builder.and_(wide, ir.Constant(i32, [15] * LANES)), high),
+                (
+                    builder.lshr(wide, ir.Constant(i32, [4] * LANES)),
+                    builder.lshr(high, ir.Constant(i32, [2] * LANES)),
+                ),
+            ):
+                up = builder.and_(up, ir.Constant(i32, [3] * LANES))
+                code = builder.or_(low, builder.shl(up, ir.Constant(i32, [4] * LANES)))
+                # -32..31 from its 6 bits: shifted to the top of the lane and back, signed.
+                code = builder.ashr(
+                    builder.shl(code, ir.Constant(i32, [26] * LANES)),
+                    ir.Constant(i32, [26] * LANES),
+                )
+                codes.append(code)
+        elif affine:
             wide = builder.zext(raw, i32)
             codes = [
                 builder.and_(wide, ir.Constant(i32, [15] * LANES)),
@@ -669,7 +755,7 @@ def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, dm: Any) ->
             builder.store(value, builder.bitcast(target, f32.as_pointer()), align=4)
         return context.get_dummy_value()
 
-    return types.void(w, kind, codes, at, dm), codegen
+    return types.void(w, kind, codes, at, dm, i), codegen
 
 
 @intrinsic
@@ -743,6 +829,25 @@ def _paired_tile(group: int, b: int, half: int, tiles: int) -> int:
 
 
 @functools.cache
+def _code_at(kind: str) -> Callable[[int], int]:
+    """code_at(i): where the codes of input i (the first of a step) start in a tile's."""
+    if kind == FINE6:
+
+        @jit(inline="always")
+        def six(i: int) -> int:
+            return i // 4 * 3 * LANES + (i // 2 % 2) * LANES
+
+        return six
+    steps = steps_of(kind)
+
+    @jit(inline="always")
+    def code_at(i: int) -> int:
+        return i // steps * LANES
+
+    return code_at
+
+
+@functools.cache
 def gemm_kernel(
     kind: str,
     rows: int,
@@ -778,15 +883,16 @@ def gemm_kernel(
     if paired and (not fused or any(end % 2 for end in ends)):
         raise ValueError(f"{BF16_DOT} GEMMs sum input pairs in fused chains, not {ends}")
     tb = group_tiles or tiles_per_group(rows, silu, kind)
-    steps = 2 if kind in (AFFINE4, BF16_DOT) else 1
+    steps = steps_of(kind)
     scaled = kind not in DENSE  # weights on no grid have no scales
     block = block_of(kind)
     blocks = k // block
     runs = SUPER_BLOCK // block  # runs a super-block of SUPER scales
-    code_row = k // steps * LANES  # codes of one tile
+    code_row = code_rows(kind, k) * LANES  # codes of one tile
     half = tb // 2  # with silu: the group's gate tiles, then as many of up
     values = half * rows * LANES  # with silu: the group's outputs
     streamed = kind in IN_PLACE
+    code_at = _code_at(kind)
 
     @jit(inline="always")
     def tile_of(group: int, b: int, tiles: int) -> int:
@@ -857,8 +963,8 @@ def gemm_kernel(
                             sat = (tile * blocks + i // block) * 2 * LANES
                             _block_scales(dm[b], scales, sat, runs)
                     for b in range(tb):
-                        at = tile_of(group, b, tiles) * code_row + i // steps * LANES
-                        _dequant(w[b], kind, codes, at, dm[b])
+                        at = tile_of(group, b, tiles) * code_row + code_at(i)
+                        _dequant(w[b], kind, codes, at, dm[b], i)
                         if streamed and skip > 0:
                             prefetch(codes, at + skip * code_row)
                     products(acc, w, x, r0, i)
@@ -931,8 +1037,9 @@ def gemm_all_rows(
 
     silu: out [M, out_features / 32, 16] gets silu(gate) * up of the product of a [gate |
     up] weight, as `gemm_kernel` gives it (gelu: gelu_tanh(gate) * up)."""
-    k, steps = in_features, 2 if kind in (AFFINE4, BF16_DOT) else 1
-    code_row = k // steps * LANES
+    k, steps = in_features, steps_of(kind)
+    code_row = code_rows(kind, k) * LANES
+    code_at = _code_at(kind)
     block = block_of(kind)
     blocks = k // block
     runs = SUPER_BLOCK // block  # runs a super-block of SUPER scales
@@ -977,7 +1084,7 @@ def gemm_all_rows(
                 if scaled:
                     _block_scales(dm, scales, (t * blocks + i0 // block) * 2 * LANES, runs)
                 for i in range(i0, i0 + block, steps):
-                    _dequant(w[b, i:], kind, codes, t * code_row + i // steps * LANES, dm)
+                    _dequant(w[b, i:], kind, codes, t * code_row + code_at(i), dm, i)
         return w, 0, half
 
     @jit(inline="always")

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 Grids = tuple[list[list[grid_gemm.GridWeight]], grid_gemm.GridWeight]
 _MAGIC = b"pagedinfer-cpu-grids\n"
-_VERSION = 1
+_VERSION = 2  # 2: K-quants with their files' scales (SUPER) and 6-bit codes (FINE6)
 _ALIGN = 64
 MAX_STORES = 4
 MAX_BYTES = 16 * 2**30

@@ -201,16 +201,17 @@ def test_any_fp32_weight_in_tile_layout_carries_the_bits_of_the_fixed_order() ->
 @pytest.mark.parametrize(
     ("low", "high", "run", "kind"),
     [
-        (-32, 31, 16, grid_gemm.FINE8),  # Q6_K
+        (-32, 31, 16, grid_gemm.FINE6),  # Q6_K
+        (-128, 127, 16, grid_gemm.FINE8),  # Q6_K beside Q8_0 in one weight
         (0, 15, 32, grid_gemm.AFFINE4),  # Q4_K
         (0, 31, 32, grid_gemm.SCALED8),  # Q5_K
     ],
-    ids=["q6_k", "q4_k", "q5_k"],
+    ids=["q6_k", "fine8", "q4_k", "q5_k"],
 )
 def test_a_k_quant_weight_runs_from_its_grid_in_the_bits_of_the_fixed_order(
     low, high, run, kind
 ) -> None:
-    """Codes with fp32 scales and offsets per run of 16 (FINE8) or 32 (4-bit or 8-bit codes
+    """Codes with fp32 scales and offsets per run of 16 (FINE8, FINE6) or 32 (4-bit or 8-bit codes
     with fp32 scales): the grid holds the weight, and every call size (one pass, scratch)
     gives the bits of one fused chain over K."""
     codes, d, m = k_quant_blocks(192, 512, low, high, run, seed=4)

@@ -273,3 +273,39 @@ def test_iq4_nl_block_of_known_levels() -> None:
     values = gguf_quants.dequantize(block[None], "IQ4_NL")[0]
     levels = gguf_quants.IQ4_LEVELS.astype(np.float32)
     np.testing.assert_array_equal(values, -0.25 * np.concatenate((levels, levels[::-1])))
+
+
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
+def test_super_block_types_keep_their_scales_as_the_file_does(type_name: str) -> None:
+    """The fp16 scale per 256 values and the small integer per run, whose products are the
+    grid's d and m to the bit; mins only where the type has offsets."""
+    grid = gguf_quants.block_grid(random_blocks(type_name, rows=8, blocks=3, seed=4), type_name)
+    assert grid is not None and grid.supers is not None
+    supers = grid.supers
+    assert supers.d.dtype == np.float16 and supers.d.shape == (8, 3)
+    assert supers.scales.dtype == np.int8 and supers.scales.shape == grid.d.shape
+    assert (supers.mins is not None) == (type_name in ("Q2_K", "Q4_K", "Q5_K"))
+    d, m = supers.products()
+    assert_same_bits(d, grid.d)
+    if m is None:
+        assert not grid.m.any()
+    else:
+        assert_same_bits(m, grid.m)
+    fine = grid.fine()
+    assert fine.supers is not None
+    assert_same_bits(fine.supers.products()[0], fine.d)
+
+
+def test_a_fused_weight_keeps_super_scales_only_where_every_part_has_them() -> None:
+    """Q4_K beside Q6_K: runs of 16, Q6_K's mins zero; beside Q8_0: fp32 scales only."""
+    q4, q6, q8 = (
+        gguf_quants.block_grid(random_blocks(name, rows=4, blocks=n, seed=7), name)
+        for name, n in (("Q4_K", 1), ("Q6_K", 1), ("Q8_0", 8))
+    )
+    whole = gguf_quants.concatenate([q4, q6])
+    assert whole.supers is not None and whole.supers.mins is not None
+    assert not whole.supers.mins[4:].any() and not whole.supers.dmin[4:].astype(bool).any()
+    d, m = whole.supers.products()
+    assert_same_bits(d, whole.d)
+    np.testing.assert_array_equal(m, whole.m)
+    assert gguf_quants.concatenate([q4, q8]).supers is None
