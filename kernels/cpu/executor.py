@@ -72,11 +72,19 @@ CHILD_COMPILE_TIMEOUT_S = 1800.0
 
 # The architecture features (a model config's `features()`) this executor implements.
 # Rotary scalings only change the cos/sin tables, which it reads from the model; which
-# dims of a layer rotate by which table is data of the kernels (`_Layer.rope`).
+# dims of a layer rotate by which table is data of the kernels (`_Layer.rope`), and so
+# are each layer's window, its norms' scales (Gemma's 1 + weight folded in) and the norms
+# of its blocks' outputs (Gemma 3's sandwich); the GLU's activation is a switch of the
+# one gate/up kernel.
 SUPPORTED_FEATURES = frozenset(
     {
         "rms_norm",
+        "gemma_rms_norm",
         "silu_glu",
+        "gelu_tanh_glu",
+        "scaled_embeddings",
+        "sandwich_norms",
+        "sliding_window",
         "rope_neox",
         "rope_scaling_linear",
         "rope_scaling_dynamic",
@@ -124,14 +132,19 @@ def unsupported_features(config: Any) -> list[str]:
 
 @dataclass
 class _Layer:
-    """One decoder layer as the executor runs it."""
+    """One decoder layer as the executor runs it. Every norm is given by its scale
+    (`RMSNorm.scale`: Gemma's 1 + weight already added)."""
 
-    norms: tuple[torch.Tensor, torch.Tensor]  # input and post-attention RMSNorm weights
-    # [2, head_dim]: the query and key heads' RMSNorm weights (Qwen3's); None: no q/k norms.
+    norms: tuple[torch.Tensor, torch.Tensor]  # the attention's and the MLP's input norms
+    # The norms of the attention's and the MLP's outputs before they join the residual
+    # (Gemma 3's); None: added as they are.
+    post_norms: tuple[torch.Tensor, torch.Tensor] | None
+    # [2, head_dim]: the query and key heads' RMSNorm scales (Qwen3's); None: no q/k norms.
     qk_norm: torch.Tensor | None
     # How many leading dims of each q and k head rotate (0: none, a NoPE layer), and by
     # which cos/sin table (`CpuExecutor._rope_tables`: 0 the model's rope, 1 its local one).
     rope: tuple[int, int]
+    window: int | None  # the layer's sliding window (None: it attends fully)
     qkv: Gemm
     o: Gemm
     gate_up: Gemm
@@ -158,6 +171,8 @@ class CpuExecutor:
         # with --dtype bfloat16, its weights rounded to bf16 values in fp32.
         self.bf16_products = bf16_products
         self.config = model.config
+        # The MLP's activation is GELU's tanh approximation (Gemma 3's), not SiLU.
+        self.gelu = "gelu_tanh_glu" in self.config.features()
         self.mode = mode  # "grid", "rebuilt", "mkl", "onednn" or "dense"
         self.compiled = compiled  # the ops between the GEMMs and attention in numba kernels
         self.layers: list[_Layer] = []
@@ -201,8 +216,15 @@ class CpuExecutor:
         make = {"mkl": MklGemm.of, "onednn": OneDnnGemm.of, "dense": DenseGemm.of}[self.mode]
         for i, layer in enumerate(model.layers):
             gemms = [make(lin.weight, lin.bias) for lin in layer.linears()]
-            self.layers.append(_Layer(_norms(layer), _qk_norm(layer), self._rope(i), *gemms))
+            self.layers.append(self._layer_of(i, gemms))
         self.lm_head = make(model.lm_head_weight(), None)
+
+    def _layer_of(self, i: int, gemms: Sequence[Gemm]) -> _Layer:
+        """Layer i with these GEMMs (q/k/v, o, gate/up, down)."""
+        layer = self.model.layers[i]
+        norms, post_norms = _norms(layer)
+        window = self.config.layer_window(i)
+        return _Layer(norms, post_norms, _qk_norm(layer), self._rope(i), window, *gemms)
 
     def _grids(self) -> tuple[list[list[Any]], Any] | None:
         """`choose_grids`, or its result as an earlier start stored it (`weight_store`);
@@ -231,7 +253,9 @@ class CpuExecutor:
         argmax = (
             greedy_argmax.ArgmaxWeights.of(lm_head, orders[4]) if greedy_argmax.fast() else None
         )
-        norms = torch.stack([torch.stack(_norms(layer)) for layer in model.layers])
+        norms = torch.stack([torch.stack(_norms(layer)[0]) for layer in model.layers])
+        post_norms = [_norms(layer)[1] for layer in model.layers]
+        sandwich = post_norms[0] is not None
         qkv_biases = [layer.linears()[0].bias for layer in model.layers]
         biased = qkv_biases[0] is not None
         qk_norms = [_qk_norm(layer) for layer in model.layers]
@@ -241,26 +265,28 @@ class CpuExecutor:
             lm_head,
             orders,
             grid_gemm.GRID_MAX_ROWS,
-            norms.detach().numpy(),
-            model.norm.weight.detach().numpy(),
+            norms.numpy(),
+            model.norm.scale().numpy(),
             self.config.rms_norm_eps,
             np.array([self._rope(i) for i in range(len(model.layers))], np.int64),
             argmax,
             torch.stack(qkv_biases).detach().float().numpy() if biased else None,
             torch.stack(qk_norms).float().numpy() if qk_normed else None,
+            torch.stack([torch.stack(p) for p in post_norms]).numpy() if sandwich else None,
+            np.array([self.config.layer_window(i) or 0 for i in range(len(model.layers))]),
         )
         if self.fused is None:
             raise ValueError(
                 "the layers' grids differ in shape, or a position's come in more than two kinds"
             )
-        for i, layer in enumerate(model.layers):
+        for i in range(len(model.layers)):
             gemms = []
             for position in range(len(layer_grids[i])):
                 # A view of the stacked arrays: the fused step and this path share them.
                 view = self.fused.layer_grid(position, i)
                 bias = qkv_biases[i].detach().float() if biased and position == 0 else None
                 gemms.append(GridGemm(view, orders[position], bias))
-            self.layers.append(_Layer(_norms(layer), qk_norms[i], self._rope(i), *gemms))
+            self.layers.append(self._layer_of(i, gemms))
         self.lm_head = GridGemm(lm_head, orders[4])
         self.argmax = argmax
         if self.bf16_products and amx_bf16():
@@ -611,7 +637,7 @@ class CpuExecutor:
                 return out
         for layer, kv_cache in zip(layers, kv_caches, strict=True):
             self._layer(layer, hidden, rope, kv_cache, attn)
-        normed = self._norm(hidden[logits_indices], self.model.norm.weight)
+        normed = self._norm(hidden[logits_indices], self.model.norm.scale())
         if greedy is None or self.argmax is None or not bool(greedy.any()):
             return self._logits(normed), None
         from pagedinfer.kernels.cpu import greedy_argmax
@@ -697,21 +723,32 @@ class CpuExecutor:
                 validate=validate,
             )
         args = (query, k_cache, v_cache, attn.block_tables, attn.seq_lens, attn.query_start_loc)
+        window = layer.window
         if validate:
-            check_paged_attention(*args, scale, None, check_values=False)
-        plan = attn.plan_for(query, k_cache, v_cache)
-        out = kernels.paged_attention(*args, scale, validate=False, plan=plan)
+            check_paged_attention(*args, scale, None, check_values=False, sliding_window=window)
+        plan = attn.plan_for(query, k_cache, v_cache, window)
+        out = kernels.paged_attention(
+            *args, scale, validate=False, plan=plan, sliding_window=window
+        ).view(num_tokens, q_size)
         attn.validated = True
-        layer.o.add_into(hidden, out.view(num_tokens, q_size))
+        post = layer.post_norms
+        if post is None:
+            layer.o.add_into(hidden, out)
+        else:  # Gemma 3: the attention's output normed before the residual add
+            hidden += self._norm(layer.o(out), post[0])
         gate_up = layer.gate_up(self._norm(hidden, layer.norms[1]))
+        gelu = self.gelu
         if self.compiled:
             from pagedinfer.kernels.cpu import layer_ops
 
-            act = layer_ops.silu_mul(gate_up)
+            act = layer_ops.silu_mul(gate_up, gelu)
         else:
             gate, up = gate_up.split(config.intermediate_size, dim=-1)
-            act = F.silu(gate).mul_(up)
-        layer.down.add_into(hidden, act)
+            act = (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)).mul_(up)
+        if post is None:
+            layer.down.add_into(hidden, act)
+        else:
+            hidden += self._norm(layer.down(act), post[1])
 
     def _fused_step(
         self,
@@ -742,7 +779,10 @@ class CpuExecutor:
         if not attn.validated:  # the checks the first layer's calls make
             key = hidden.new_empty(tokens, config.num_kv_heads, config.head_dim)
             check_write_kv(key, key, k_cache, v_cache, attn.slot_mapping, False)
-            check_paged_attention(*args, scale, None, check_values=False)
+            # Columns behind the window hold freed blocks only where every layer has it.
+            check_paged_attention(
+                *args, scale, None, check_values=False, sliding_window=config.kv_window
+            )
         plan = decode_plan(attn, k_cache.shape[1]) or attn.plan_for(query, k_cache, v_cache)
         if plan.groups:
             return None
@@ -797,6 +837,7 @@ class CpuExecutor:
                 intermediate=config.intermediate_size,
                 vocab=config.vocab_size,
                 block_size=block_size,
+                gelu=self.gelu,
             )
             self._step_shapes[block_size] = shape
         return shape
@@ -808,8 +849,10 @@ def library_layers(layers: list[_Layer]) -> list[_Layer]:
     return [
         _Layer(
             layer.norms,
+            layer.post_norms,
             layer.qk_norm,
             layer.rope,
+            layer.window,
             *(LibraryBf16Gemm(g.weight, g.bias) for g in layer.gemms()),
         )
         for layer in layers
@@ -838,16 +881,24 @@ def decode_plan(attn: AttentionMetadata, block_size: int) -> torch_ops.Attention
     return torch_ops.AttentionPlan([], block_size, decodes)
 
 
-def _norms(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    return (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach())
+def _norms(
+    layer: nn.Module,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]:
+    """The scales of the layer's input norms (attention, MLP) and of its output norms, or
+    None where it has none (`DecoderLayer.block_norms`)."""
+    attention_in, mlp_in, attention_out, mlp_out = layer.block_norms()
+    post = None
+    if attention_out is not None and mlp_out is not None:
+        post = (attention_out.scale(), mlp_out.scale())
+    return (attention_in.scale(), mlp_in.scale()), post
 
 
 def _qk_norm(layer: nn.Module) -> torch.Tensor | None:
-    """The layer's query and key head norm weights stacked [2, head_dim], or None."""
+    """The layer's query and key head norm scales stacked [2, head_dim], or None."""
     attn = layer.self_attn
     if attn.q_norm is None or attn.k_norm is None:
         return None
-    return torch.stack((attn.q_norm.weight.detach(), attn.k_norm.weight.detach()))
+    return torch.stack((attn.q_norm.scale(), attn.k_norm.scale()))
 
 
 POSITIONS = ("qkv", "o", "gate_up", "down", "lm_head")

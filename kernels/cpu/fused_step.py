@@ -11,8 +11,12 @@ runs as one call on the worker threads:
 - attention runs the same compiled kernels as a step through Python (`paged_decode`,
   `paged_verify`), each worker a share of the sequences;
 - the small ops (`layer_ops`'s RMSNorm, q/k head norms, rotary and K/V write) work row
-  by row, each worker on a share of the rows; the gate/up GEMM applies the SiLU to its
-  own outputs (`grid_gemm`, silu), so the product is never written and read back;
+  by row, each worker on a share of the rows; the gate/up GEMM applies the SiLU (or GELU,
+  `StepShape.gelu`) to its own outputs (`grid_gemm`, silu), so the product is never
+  written and read back;
+- what families change in the layer is data the step reads: each layer's q/k norms,
+  rotated dims and cos/sin table, sliding window, and the norms of its blocks' outputs
+  before they join the residual (Gemma 3's);
 - between phases the workers wait at a spinning barrier (microseconds), not for Python.
 
 Every operation is the one the executor's step layer by layer does, in the same order,
@@ -38,6 +42,7 @@ from pagedinfer.kernels.cpu.numba_support import (
     cache_array,
     cycle_counter,
     jit,
+    lanes_add,
     run_jobs,
 )
 
@@ -115,6 +120,11 @@ class FusedWeights:
     # NoPE layer, SmolLM3's; fewer than head_dim: partial rotary, Phi-3's), and which of
     # the step's cos/sin tables it reads (1: the local layers' own rope, Gemma 3's).
     rope: np.ndarray
+    # fp32 [layers, 2, hidden]: the norms of the attention's and the MLP's outputs before
+    # they join the residual (Gemma 3's); [layers, 0, 0]: added as they are.
+    post_norms: np.ndarray
+    # int64 [layers]: each layer's sliding window (0: it attends fully).
+    windows: np.ndarray
     # The LM head as `greedy_argmax` picks greedy rows' tokens from it; None: every row's
     # logits are computed.
     argmax: greedy_argmax.ArgmaxWeights | None = None
@@ -133,13 +143,17 @@ class FusedWeights:
         argmax: greedy_argmax.ArgmaxWeights | None = None,
         qkv_bias: np.ndarray | None = None,
         qk_norm: np.ndarray | None = None,
+        post_norms: np.ndarray | None = None,
+        windows: np.ndarray | None = None,
     ) -> FusedWeights | None:
         """From each layer's four grids (q/k/v, o, gate/up, down) and the order each GEMM
         sums in (the four and the LM head), each layer's rotated dims and cos/sin table
         ([layers, 2], `rope`), its q/k/v bias where the model has them ([layers, q/k/v
         outputs]) and its q and k norms' weights where it has those ([layers, 2,
-        head_dim]); None where one GEMM's grids differ in shape across layers, or come in
-        more than two kinds (with their arrays' types)."""
+        head_dim]), its output norms' where it norms its blocks' outputs ([layers, 2,
+        hidden]) and its sliding window ([layers], 0 for none; None: no layer has one); None
+        where one GEMM's grids differ in shape across layers, or come in more than two
+        kinds (with their arrays' types)."""
         kinds, codes, scales, seconds, second_codes, second_scales = [], [], [], [], [], []
         layer_slots = np.zeros((4, len(layers)), np.int64)
         for p, position in enumerate(zip(*layers, strict=True)):
@@ -178,6 +192,14 @@ class FusedWeights:
             return None
         if rope.shape != (len(layers), 2):
             return None
+        if post_norms is None:
+            post_norms = np.zeros((len(layers), 0, 0), np.float32)
+        elif post_norms.shape != (len(layers), 2, norms.shape[-1]):
+            return None
+        if windows is None:
+            windows = np.zeros(len(layers), np.int64)
+        elif windows.shape != (len(layers),):
+            return None
         return cls(
             norms=np.ascontiguousarray(norms, dtype=np.float32),
             final_norm=np.ascontiguousarray(final_norm, dtype=np.float32),
@@ -195,6 +217,8 @@ class FusedWeights:
             qkv_bias=np.ascontiguousarray(qkv_bias, dtype=np.float32),
             qk_norm=np.ascontiguousarray(qk_norm, dtype=np.float32),
             rope=np.ascontiguousarray(rope, dtype=np.int64),
+            post_norms=np.ascontiguousarray(post_norms, dtype=np.float32),
+            windows=np.ascontiguousarray(windows, dtype=np.int64),
         )
 
     def layer_grid(self, position: int, layer: int) -> grid_gemm.GridWeight:
@@ -222,6 +246,8 @@ class FusedWeights:
             self.qkv_bias,
             self.qk_norm,
             self.rope,
+            self.post_norms,
+            self.windows,
         )
         return sum(a.nbytes for a in arrays)
 
@@ -237,6 +263,7 @@ class StepShape:
     intermediate: int
     vocab: int
     block_size: int
+    gelu: bool = False  # the GLU's activation: GELU's tanh approximation, not SiLU
 
 
 @dataclass(frozen=True)
@@ -369,6 +396,8 @@ def _new_setup(
             weights.qkv_bias,
             weights.qk_norm,
             weights.rope,
+            weights.post_norms,
+            weights.windows,
         ),
         scratch_args=(
             np.empty((tokens, shape.hidden), np.float32),  # normed
@@ -544,7 +573,9 @@ def _kernel(
 
     def gemm(i: int, in_features: int, silu: bool = False) -> Callable[..., None]:
         order = orders[i]
-        return grid_gemm.gemm_all_rows(kinds[i], in_features, order.ends, order.fused, silu)
+        return grid_gemm.gemm_all_rows(
+            kinds[i], in_features, order.ends, order.fused, silu, silu and shape.gelu
+        )
 
     def layer_gemm(i: int, in_features: int, silu: bool = False) -> Callable[..., None]:
         """gemm(x, codes, scales, second_codes, second_scales, slot, out, add, worker,
@@ -554,7 +585,7 @@ def _kernel(
         second = first
         if second_kinds[i] is not None:
             second = grid_gemm.gemm_all_rows(
-                second_kinds[i], in_features, order.ends, order.fused, silu
+                second_kinds[i], in_features, order.ends, order.fused, silu, silu and shape.gelu
             )
 
         @jit(inline="always", nogil=True)
@@ -580,13 +611,24 @@ def _kernel(
 
     qkv_gemm = layer_gemm(0, shape.hidden)
     o_gemm = layer_gemm(1, nh * d)
-    gate_up_gemm = layer_gemm(2, shape.hidden, silu=True)  # gives silu(gate) * up
+    gate_up_gemm = layer_gemm(2, shape.hidden, silu=True)  # gives act(gate) * up
     down_gemm = layer_gemm(3, shape.intermediate)
     lm_gemm = gemm(4, shape.hidden)
     quantize, approximate, pick = greedy_argmax.phase_kernels(shape.hidden, orders[4], kinds[4])
     decode = paged_decode.compiled_kernel(shape.block_size, nh, nkv, d)
     verify = paged_verify.compiled_kernel(shape.block_size, nh, nkv, d)
     rms_norm, rope_write_kv = layer_ops.rms_norm_rows, layer_ops.rope_write_kv_rows
+
+    @jit(inline="always", nogil=True)
+    def add_normed(
+        hidden: np.ndarray, block_out: np.ndarray, weight: np.ndarray, eps: np.float32
+    ) -> None:
+        """hidden += rms_norm(block_out) * weight, row by row (block_out normed in place),
+        as the layer-by-layer path's `hidden += norm(o(x))` rounds it."""
+        rms_norm(block_out, weight, eps, block_out)
+        for t in range(hidden.shape[0]):
+            for c in range(0, hidden.shape[1], lanes):
+                lanes_add(hidden[t, c : c + lanes], block_out[t, c : c + lanes], lanes)
 
     @jit(inline="always", nogil=True)
     def end_phase(
@@ -640,6 +682,8 @@ def _kernel(
         qkv_bias: np.ndarray,
         qk_norm: np.ndarray,
         rope: np.ndarray,
+        post_norms: np.ndarray,
+        windows: np.ndarray,
         k_caches: Any,
         v_caches: Any,
         d_rows: np.ndarray,
@@ -690,6 +734,7 @@ def _kernel(
         mark = cycle_counter() if profiled else 0
         tokens = hidden.shape[0]
         hidden_out = hidden.reshape(tokens, hidden_tiles, lanes)
+        normed_out = normed.reshape(tokens, hidden_tiles, lanes)
         qkv_out = qkv.reshape(tokens, qkv_tiles, lanes)
         act_out = act.reshape(tokens, act_tiles, lanes)
         attn_rows = attn_out.reshape(tokens, nh * d)
@@ -740,8 +785,19 @@ def _kernel(
             passed, mark = end_phase(sync, workers, passed, prof, worker, _ROPE, mark)
             if sync[1] != 0:
                 return
+            window = windows[layer]
             decode(
-                query, k_cache, v_cache, d_rows, d_tables, d_lens, scale, attn_out, worker, workers
+                query,
+                k_cache,
+                v_cache,
+                d_rows,
+                d_tables,
+                d_lens,
+                scale,
+                window,
+                attn_out,
+                worker,
+                workers,
             )
             verify(
                 query,
@@ -752,6 +808,7 @@ def _kernel(
                 r_tables,
                 r_lens,
                 scale,
+                window,
                 attn_out,
                 worker,
                 workers,
@@ -766,6 +823,9 @@ def _kernel(
                         hidden[j] = hidden[kept[j]]
                 passed, mark = end_phase(sync, workers, passed, prof, worker, _ROWS, mark)
                 lo, hi = n * worker // workers, n * (worker + 1) // workers
+            # Gemma 3: each block's output goes to `normed` (read no more by then), and
+            # is normed into the residual by each worker for its rows.
+            sandwich = post_norms.shape[1] > 0
             o_gemm(
                 attn_rows[:n],
                 o_codes,
@@ -773,12 +833,14 @@ def _kernel(
                 o_codes2,
                 o_scales2,
                 layer_slots[1, layer],
-                hidden_out[:n],
-                True,
+                normed_out[:n] if sandwich else hidden_out[:n],
+                not sandwich,
                 worker,
                 workers,
             )
             passed, mark = end_phase(sync, workers, passed, prof, worker, _O, mark)
+            if sandwich:  # the worker's rows, which it norms next: no barrier between
+                add_normed(hidden[lo:hi], normed[lo:hi], post_norms[layer, 0], eps)
             rms_norm(hidden[lo:hi], norms[layer, 1], eps, normed[lo:hi])
             passed, mark = end_phase(sync, workers, passed, prof, worker, _NORM, mark)
             gate_up_gemm(
@@ -801,12 +863,15 @@ def _kernel(
                 down_codes2,
                 down_scales2,
                 layer_slots[3, layer],
-                hidden_out[:n],
-                True,
+                normed_out[:n] if sandwich else hidden_out[:n],
+                not sandwich,
                 worker,
                 workers,
             )
             passed, mark = end_phase(sync, workers, passed, prof, worker, _DOWN, mark)
+            if sandwich:
+                add_normed(hidden[lo:hi], normed[lo:hi], post_norms[layer, 1], eps)
+                passed, mark = end_phase(sync, workers, passed, prof, worker, _NORM, mark)
         if worker == 0:
             for i in range(rows_at.shape[0]):
                 picked[i] = hidden[rows_at[i]]

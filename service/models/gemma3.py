@@ -32,6 +32,9 @@ class GemmaRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (self.normalize(x) * (1.0 + self.weight.float())).to(x.dtype)
 
+    def scale(self) -> torch.Tensor:
+        return 1.0 + self.weight.detach().float()
+
 
 class Gemma3DecoderLayer(nn.Module):
     """One Gemma 3 layer: each block's output is normed before it joins the residual."""
@@ -50,6 +53,15 @@ class Gemma3DecoderLayer(nn.Module):
         """The layer's GEMMs, in the order they run: q/k/v, o, gate/up, down."""
         attn, mlp = self.self_attn, self.mlp
         return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+    def block_norms(self) -> tuple[RMSNorm, RMSNorm, RMSNorm | None, RMSNorm | None]:
+        """The attention's and the MLP's input norms, then their outputs' (`forward`)."""
+        return (
+            self.input_layernorm,
+            self.pre_feedforward_layernorm,
+            self.post_attention_layernorm,
+            self.post_feedforward_layernorm,
+        )
 
     def forward(
         self,

@@ -189,6 +189,11 @@ class RMSNorm(nn.Module):
         """In fp32, rounded once at the end for 16-bit input."""
         return (self.normalize(x) * self.weight.float()).to(x.dtype)
 
+    def scale(self) -> torch.Tensor:
+        """What x / rms(x) is multiplied by, fp32: the weight (a backend that runs the
+        layers itself reads this, not `weight`)."""
+        return self.weight.detach().float()
+
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """x / rms(x) in fp32."""
         xf = x.float()
@@ -317,6 +322,11 @@ class DecoderLayer(nn.Module):
         """The layer's GEMMs, in the order they run: q/k/v, o, gate/up, down."""
         attn, mlp = self.self_attn, self.mlp
         return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+    def block_norms(self) -> tuple[RMSNorm, RMSNorm, RMSNorm | None, RMSNorm | None]:
+        """The norms of the attention's and the MLP's inputs, then of their outputs before
+        they join the residual (None: added as they are; Gemma 3 norms them)."""
+        return self.input_layernorm, self.post_attention_layernorm, None, None
 
     def forward(
         self,

@@ -148,8 +148,9 @@ def compiled_signatures() -> int:
 
 # What families change in the Llama layer, each served by the kernels a Llama of the same
 # shapes compiles: the q/k norms' weights, which dims of which layer rotate by which table,
-# the attention scale and the logits' cap are data, not kernel variants.
+# each layer's window, the attention scale and the logits' cap are data, not kernel variants.
 DATA_FEATURES = (
+    "sliding_window",
     "qk_norm",
     "no_rope_layers",
     "partial_rotary",
@@ -186,6 +187,8 @@ def test_family_features_are_data_of_the_kernels_a_llama_of_their_shapes_runs(
         "local_layer_rope": [[head_dim, 1], [head_dim, 0]],
     }
     assert family.fused.rope.tolist() == rope.get(feature, [[head_dim, 0]] * layers)
+    windows = {"sliding_window": [8, 8]}
+    assert family.fused.windows.tolist() == windows.get(feature, [0] * layers)
 
 
 def test_a_feature_the_executor_lacks_leaves_the_model_to_its_torch_forward(

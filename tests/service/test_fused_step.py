@@ -28,8 +28,8 @@ from pagedinfer.kernels.cpu.executor import (
     library_layers,
 )
 from pagedinfer.kernels.cpu.gemms import LibraryBf16Gemm
+from pagedinfer.service.models import DecoderModel, build_model
 from pagedinfer.service.models.llama import LlamaModel, ModelConfig
-from pagedinfer.service.models.qwen3 import Qwen3Model
 
 pytestmark = pytest.mark.skipif(
     not torch_ops.compiled_kernels(), reason="the fused step runs on the compiled kernels"
@@ -60,13 +60,15 @@ def grid_model(
     o_proj_bias: bool = False,
     qk_norm: bool = False,
     **config_fields: Any,
-) -> LlamaModel:
+) -> DecoderModel:
     """A small Llama whose GEMM weights lie on 4-bit grids and whose (tied) embeddings on
     an 8-bit one, as a GGUF file's Q4_1 and Q8_0 weights load; with q/k/v biases (as
     Qwen2's), an o_proj bias and q/k head norms (a Qwen3 of these shapes) where asked,
-    each drawn at random, and any other `ModelConfig` fields given."""
+    each drawn at random, and any other `ModelConfig` fields given (an architecture among
+    them: its own norms drawn too)."""
+    architecture = config_fields.pop("architecture", "qwen3" if qk_norm else "llama")
     config = ModelConfig(
-        architecture="qwen3" if qk_norm else "llama",
+        architecture=architecture,
         vocab_size=512,
         hidden_size=256,
         num_layers=3,
@@ -85,14 +87,15 @@ def grid_model(
         **config_fields,
     )
     rng = np.random.default_rng(seed)
-    model = (Qwen3Model if qk_norm else LlamaModel)(config).eval()
+    model = build_model(config).eval()
     with torch.no_grad():
         for layer in model.layers:
             for linear in layer.linears():
                 out_features, in_features = linear.weight.shape
                 linear.weight.copy_(on_grid(out_features, in_features, rng, 4))
-            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-                norm.weight.copy_(torch.from_numpy(rng.random(256).astype(np.float32) + 0.5))
+            for norm in layer.block_norms():
+                if norm is not None:
+                    norm.weight.copy_(torch.from_numpy(rng.random(256).astype(np.float32) + 0.5))
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                 if norm is not None:
                     norm.weight.copy_(torch.from_numpy(rng.random(64).astype(np.float32) + 0.5))
@@ -103,7 +106,7 @@ def grid_model(
     return model
 
 
-def grid_executor(model: LlamaModel) -> CpuExecutor:
+def grid_executor(model: DecoderModel) -> CpuExecutor:
     """The executor `cpu.prepare` makes of a model on grids: grid GEMMs and the fused step."""
     executor = cpu.prepare(model, BLOCK_SIZE)
     assert executor is not None and executor.active
@@ -604,6 +607,46 @@ def test_q_and_k_heads_are_normed_in_the_fused_step() -> None:
     assert_fused_is_the_model_not_the_plain_one(executor, reference, without)
 
 
+def test_gemma3s_norms_window_and_activation_are_data_and_a_switch_of_the_fused_step() -> None:
+    """Gemma 3 on grids: norms scaled by 1 + weight, each block's output normed before the
+    residual add, GELU (tanh) in the gate/up GEMM, local layers with a window shorter than
+    the prompts and a rope of their own beside a global layer: the fused step reads the
+    folded norms, output norms and windows as data and gives the layered logits and K/V
+    bit for bit; both are the model's own torch forward within rounding, and the same
+    weights attending fully differ."""
+    fields: dict[str, Any] = {
+        "architecture": "gemma3",
+        "qk_norm": True,
+        "query_pre_attn_scalar": 48.0,
+        "local_layers": (0, 2),
+        "local_rope_theta": 100.0,
+        "sliding_window": 8,
+    }
+    model = grid_model(seed=1, **fields)
+    assert {"gemma_rms_norm", "gelu_tanh_glu", "sandwich_norms", "sliding_window"} <= (
+        model.config.features()
+    )
+    reference = copy.deepcopy(model)
+    layer = model.layers[1]
+    executor = grid_executor(model)
+    fused = executor.fused
+    assert fused.windows.tolist() == [8, 0, 8]
+    assert [la.window for la in executor.layers] == [8, None, 8]
+    assert np.array_equal(fused.norms[1, 1], 1.0 + layer.pre_feedforward_layernorm.weight.numpy())
+    assert np.array_equal(
+        fused.post_norms[1, 0], 1.0 + layer.post_attention_layernorm.weight.numpy()
+    )
+    assert np.array_equal(fused.qk_norm[1, 0], 1.0 + layer.self_attn.q_norm.weight.numpy())
+    assert np.array_equal(fused.final_norm, 1.0 + model.norm.weight.numpy())
+    full = grid_executor(grid_model(seed=1, **{**fields, "sliding_window": None}))
+    assert full.fused.windows.tolist() == [0, 0, 0]
+    assert_fused_is_the_model_not_the_plain_one(executor, reference, full)
+    # A decode, and a run of 8 whose last tokens' windows start past a block its first
+    # token's window still shows.
+    base = prefilled(executor, [40, 51])
+    assert_fused_matches_layered(executor, base, [(0, [7], 40), (1, list(range(9, 17)), 51)])
+
+
 def test_an_o_proj_bias_gets_no_fused_step() -> None:
     """An o_proj bias (Llama's attention_bias covers it): the fused step adds none, so the
     library's packed GEMMs serve (where torch has MKL) with the compiled ops between them."""
@@ -673,6 +716,8 @@ def test_a_step_keeps_its_setup_for_the_next_step_of_its_shape_and_no_other() ->
         qkv_bias=np.zeros((3, 0), np.float32),
         qk_norm=np.zeros((3, 0, 0), np.float32),
         rope=np.array([(64, 0)] * 3),
+        post_norms=np.zeros((3, 0, 0), np.float32),
+        windows=np.zeros(3, np.int64),
     )
     scratch = fused_step.StepScratch()
     shape = fused_step.StepShape(256, 4, 2, 64, 512, 512, BLOCK_SIZE)

@@ -45,8 +45,8 @@ def mistral(make_tiny_model: Callable[..., Path]) -> Path:
 def test_mistral_past_its_window_matches_transformers(mistral: Path) -> None:
     loaded = load_model(str(mistral), CPU, torch.float32)
     assert loaded.config.kv_window == WINDOW
-    # The CPU executor has no window: the model's torch forward serves it.
-    assert "sliding_window" in cpu.unsupported_features(loaded.config)
+    # The CPU executor serves the window too (`test_chunks_and_decodes_over_freed_blocks`).
+    assert cpu.unsupported_features(loaded.config) == []
     token_lists = [random_tokens(150, 1), random_tokens(30, 2), random_tokens(5, 3)]
     cache = PagedCache(loaded.config, 3, 150)
     ours = cache.step(loaded.model, [(i, t, 0) for i, t in enumerate(token_lists)])
@@ -59,10 +59,19 @@ def test_mistral_past_its_window_matches_transformers(mistral: Path) -> None:
     assert (full[WINDOW:] - ours[0][WINDOW:]).abs().max().item() > 1e-2
 
 
-def test_chunks_and_decodes_over_freed_blocks_match_transformers(mistral: Path) -> None:
+@pytest.mark.parametrize("runner", ["model", "cpu-executor"])
+def test_chunks_and_decodes_over_freed_blocks_match_transformers(
+    mistral: Path, runner: str
+) -> None:
     """Chunked prefill then decodes, each step after the blocks behind the next token's
-    window are freed: their table entries -1, their KV NaN in every layer."""
+    window are freed: their table entries -1, their KV NaN in every layer; on the model's
+    torch forward and on the CPU executor's compiled kernels."""
     loaded = load_model(str(mistral), CPU, torch.float32)
+    forward = loaded.model
+    if runner == "cpu-executor":
+        forward = cpu.prepare(loaded.model, BLOCK_SIZE)
+        if forward is None:
+            pytest.skip("no CPU executor on this machine")
     tokens = random_tokens(120, 4)
     theirs = hf_logits(mistral, tokens)
     cache = PagedCache(loaded.config, 1, len(tokens))
@@ -76,7 +85,7 @@ def test_chunks_and_decodes_over_freed_blocks_match_transformers(mistral: Path) 
                     k_cache[physical] = v_cache[physical] = float("nan")
                 cache.block_tables[0, block] = -1
                 freed += 1
-        (logits,) = cache.step(loaded.model, [(0, tokens[start:end], start)])
+        (logits,) = cache.step(forward, [(0, tokens[start:end], start)])
         assert (logits - theirs[start:end]).abs().max().item() < 1e-4, (start, end)
     assert freed == (120 - 1 - WINDOW + 1) // BLOCK_SIZE  # 6 of the 8 blocks
 
