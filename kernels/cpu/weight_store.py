@@ -12,8 +12,8 @@ A store that is missing, unreadable, or does not fit the model is ignored and th
 are chosen again; a directory that cannot be written simply gets no store.
 
 The digest changes with every model and every version of the code, so the directory
-keeps only the stores used last (`prune`): at most MAX_STORES of them and MAX_BYTES in
-all, the one just written always. Reading a store marks it used.
+keeps only the stores used last (`prune`): MAX_BYTES of them, and the one just written
+always. Reading a store marks it used.
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ Grids = tuple[list[list[grid_gemm.GridWeight]], grid_gemm.GridWeight]
 _MAGIC = b"pagedinfer-cpu-grids\n"
 _VERSION = 2  # 2: K-quants with their files' scales (SUPER) and 6-bit codes (FINE6)
 _ALIGN = 64
-MAX_STORES = 4
-MAX_BYTES = 16 * 2**30
+MAX_BYTES = 8 * 2**30
 # Each kind read back as grid_gemm's own string object, not an equal one from the JSON:
 # numba keys a kernel's disk cache on a pickle of its closure, and pickle writes a string
 # met twice as a back-reference only where it is the same object, so an equal copy would
@@ -84,22 +83,22 @@ def save(path: Path, grids: Grids) -> bool:
 
 def prune(directory: Path, keep: Path) -> list[Path]:
     """Delete the stores in `directory` used longest ago (by modification time, which
-    `load` renews) until at most MAX_STORES remain holding at most MAX_BYTES, never `keep`;
-    the deleted paths. A store another process still reads stays readable to it."""
+    `load` renews) until those left hold at most MAX_BYTES, never `keep`; the deleted
+    paths. A store another process still reads stays readable to it."""
     stores = []
     for store in directory.glob("*.bin"):
         with contextlib.suppress(OSError):  # deleted meanwhile by another process's prune
             stat = store.stat()
             stores.append((store != keep, -stat.st_mtime_ns, stat.st_size, store))
     stores.sort()  # `keep` first, then the most recently used
-    deleted, count, total = [], 0, 0
+    deleted, total = [], 0
     for _, _, size, store in stores:
-        count, total = count + 1, total + size
-        if store != keep and (count > MAX_STORES or total > MAX_BYTES):
+        total += size
+        if store != keep and total > MAX_BYTES:
             with contextlib.suppress(OSError):
                 store.unlink()
                 deleted.append(store)
-                count, total = count - 1, total - size
+                total -= size
     if deleted:
         log.info("CPU executor: deleted %d weight stores used longest ago", len(deleted))
     return deleted
