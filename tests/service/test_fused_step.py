@@ -632,12 +632,14 @@ def test_gemma3s_norms_window_and_activation_are_data_and_a_switch_of_the_fused_
     fused = executor.fused
     assert fused.windows.tolist() == [8, 0, 8]
     assert [la.window for la in executor.layers] == [8, None, 8]
-    assert np.array_equal(fused.norms[1, 1], 1.0 + layer.pre_feedforward_layernorm.weight.numpy())
     assert np.array_equal(
-        fused.post_norms[1, 0], 1.0 + layer.post_attention_layernorm.weight.numpy()
+        fused.norms[1, 1], 1.0 + layer.pre_feedforward_layernorm.weight.detach().numpy()
     )
-    assert np.array_equal(fused.qk_norm[1, 0], 1.0 + layer.self_attn.q_norm.weight.numpy())
-    assert np.array_equal(fused.final_norm, 1.0 + model.norm.weight.numpy())
+    assert np.array_equal(
+        fused.post_norms[1, 0], 1.0 + layer.post_attention_layernorm.weight.detach().numpy()
+    )
+    assert np.array_equal(fused.qk_norm[1, 0], 1.0 + layer.self_attn.q_norm.weight.detach().numpy())
+    assert np.array_equal(fused.final_norm, 1.0 + model.norm.weight.detach().numpy())
     full = grid_executor(grid_model(seed=1, **{**fields, "sliding_window": None}))
     assert full.fused.windows.tolist() == [0, 0, 0]
     assert_fused_is_the_model_not_the_plain_one(executor, reference, full)
