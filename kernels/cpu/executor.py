@@ -993,7 +993,8 @@ def weight_grid(weight: torch.Tensor, name: str, file_grids: Any) -> tuple[Any, 
 
     if name in file_grids:
         block = file_grids[name]
-        grid = grid_gemm.from_codes(block.codes, block.d, block.m, block.low, block.high)
+        supers = getattr(block, "supers", None)
+        grid = grid_gemm.from_codes(block.codes, block.d, block.m, block.low, block.high, supers)
         if grid is not None and grid_gemm.holds(grid, weight.detach()):
             return grid, "(from the file's blocks)"
         log.warning(

@@ -9,7 +9,8 @@ of 32 inputs (Q4_K, Q5_K, IQ4_XS: the 4-bit or 8-bit grid) or 16 (the others: FI
 FINE6 where the codes fit 6 bits, as Q6_K's do), each d and m the product of an fp16 per
 256 inputs and a small integer per run; `from_codes` keeps the file's blocks as those
 grids, with the scales as the file keeps them (SUPER), multiplied out in registers as
-the dequantisation multiplies them: Q4_K in 4.6 bits a weight, Q6_K in 6.6.
+the dequantisation multiplies them: Q4_K in 4.6 bits a weight, Q6_K in 6.6, IQ4_XS (its
+codes indices into a table of 16 levels) in 4.3.
 Weights on no grid run the same kernels from fp32 tiles (REBUILT), or from their 16 bits
 where every value is a bf16 or an fp16 (BF16, FP16). A model served in bf16 multiplies in
 bf16 (BF16_DOT: weights and inputs rounded to bf16, products summed in fp32, two inputs
@@ -35,6 +36,8 @@ Layouts: 16 output columns form a tile (a vector of fp32 lanes).
 - fine 6-bit (FINE6): codes -32..31 in uint8 [tiles, 3K / 4, 16], per 4 inputs three rows:
   the 4 low bits of the first two (as the 4-bit pairs), of the last two, then all four's
   2 high bits; scales as FINE8's.
+- 4-bit levels (LEVELS4: a GGUF IQ4_NL or IQ4_XS): indices into LEVELS, laid out as the
+  4-bit codes; the weight is d * LEVELS[index].
 - SUPER scales (a GGUF super-block type's, in place of any grid's fp32 scales) [tiles, K /
   256, bytes]: per tile and 256 inputs, the 16 lanes' fp16 d (and dmin), then per run the
   16 lanes' int8 scales (and uint8 mins): d = fp32(d * scale), m = -fp32(dmin * min);
@@ -122,7 +125,11 @@ FINE_BLOCK = 16
 # 4i + 3 three rows: the low 4 bits of inputs 4i and 4i + 1 (as AFFINE4 pairs them), of
 # 4i + 2 and 4i + 3, then the high 2 bits of all four (input 4i + h at bit 2h).
 FINE6 = "fine6"
-GRIDS = (AFFINE4, SCALED8, FINE8, FINE6)
+# 4-bit indices into LEVELS (a GGUF IQ4_NL's or IQ4_XS's non-linear grid), kept as AFFINE4
+# keeps its codes: the weight is d * LEVELS[index] (m is 0).
+LEVELS4 = "levels4"
+LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+GRIDS = (AFFINE4, SCALED8, FINE8, FINE6, LEVELS4)
 FINE = (FINE8, FINE6)  # the kinds of runs of FINE_BLOCK inputs
 # Weights already rebuilt in fp32 (codes: fp32 [tiles, K, 16]): calls of more than MAX_ROWS
 # rows rebuild a tile group once into scratch and run every row over it.
@@ -139,6 +146,9 @@ IN_PLACE = (REBUILT, BF16_DOT)  # the kinds whose codes the products read as the
 # Whether this CPU multiplies bf16 pairs natively (vdpbf16ps); elsewhere BF16_DOT
 # kernels do the same two fused multiply-adds a pair in fp32, at half the speed.
 NATIVE_BF16_DOT = bool(llvm.get_host_cpu_features().get("avx512bf16", False))
+# Whether this CPU looks up 16 bytes in a 16-byte table in one instruction (pshufb), as
+# LEVELS4 kernels do; elsewhere they look each up on its own.
+_BYTE_SHUFFLE = bool(llvm.get_host_cpu_features().get("ssse3", False))
 
 
 @dataclass(frozen=True)
@@ -210,11 +220,13 @@ def _codes(kind: str, codes: np.ndarray) -> np.ndarray:
             q[:, :, h] = low | ((rows3[:, :, 2] >> (2 * h) & 3) << 4)
         q = np.where(q >= 32, q - 64, q)
         return q.reshape(tiles, rows // 3 * 4, LANES).astype(np.int8)
-    if kind != AFFINE4:
+    if kind not in (AFFINE4, LEVELS4):
         return codes.view(np.int8) if codes.dtype == np.uint8 else codes
     tiles, pairs = codes.shape[:2]
     q = np.empty((tiles, pairs * 2, LANES), dtype=np.uint8)
     q[:, 0::2], q[:, 1::2] = codes & 15, codes >> 4
+    if kind == LEVELS4:
+        return np.array(LEVELS, dtype=np.int8)[q]
     return q.view(np.int8)
 
 
@@ -225,7 +237,7 @@ def block_of(kind: str) -> int:
 
 def steps_of(kind: str) -> int:
     """Inputs one step of a kernel rebuilds (`_dequant`)."""
-    return 2 if kind in (AFFINE4, BF16_DOT, FINE6) else 1
+    return 2 if kind in (AFFINE4, BF16_DOT, FINE6, LEVELS4) else 1
 
 
 def code_rows(kind: str, in_features: int) -> int:
@@ -497,6 +509,9 @@ def from_codes(
     elif low >= 0 and high <= 15:
         kind, q = AFFINE4, tiled.view(np.uint8)
         packed = np.ascontiguousarray(q[:, 0::2] | (q[:, 1::2] << np.uint8(4)))
+    elif (index := _level_indices(tiled, low, high)) is not None and not m.any():
+        kind = LEVELS4
+        packed = np.ascontiguousarray(index[:, 0::2] | (index[:, 1::2] << np.uint8(4)))
     else:
         kind, packed = SCALED8, np.ascontiguousarray(tiled, dtype=np.int8)
     if _supers_give(supers, d, m, k):
@@ -506,6 +521,17 @@ def from_codes(
     return GridWeight(
         kind, n, k, packed, scales if d.dtype == np.float32 else scales.view(np.uint16)
     )
+
+
+def _level_indices(codes: np.ndarray, low: int, high: int) -> np.ndarray | None:
+    """Codes (int8, any shape) in low..high as indices into LEVELS (uint8), None where one is
+    not a level (or the range is not LEVELS')."""
+    if (low, high) != (LEVELS[0], LEVELS[-1]):
+        return None
+    table = np.full(256, 255, dtype=np.uint8)
+    table[np.array(LEVELS, dtype=np.int8).view(np.uint8)] = np.arange(16, dtype=np.uint8)
+    index = table[codes.view(np.uint8)]
+    return None if (index == 255).any() else index
 
 
 def _supers_give(supers: Any, d: np.ndarray, m: np.ndarray, k: int) -> bool:
@@ -678,6 +704,7 @@ def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, dm: Any, i:
         return None
     affine = kind.literal_value == AFFINE4
     six = kind.literal_value == FINE6
+    levels = kind.literal_value == LEVELS4
     rebuilt = kind.literal_value in (REBUILT, BF16_DOT)  # 16 words a step, as they are
     narrow = kind.literal_value if kind.literal_value in (BF16, FP16) else None
 
@@ -741,6 +768,15 @@ def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, dm: Any, i:
                     ir.Constant(i32, [26] * LANES),
                 )
                 codes.append(code)
+        elif levels:
+            i8 = ir.VectorType(ir.IntType(8), LANES)
+            codes = [
+                builder.sext(_level_of(builder, index), i32)
+                for index in (
+                    builder.and_(raw, ir.Constant(i8, [15] * LANES)),
+                    builder.lshr(raw, ir.Constant(i8, [4] * LANES)),
+                )
+            ]
         elif affine:
             wide = builder.zext(raw, i32)
             codes = [
@@ -756,6 +792,23 @@ def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, dm: Any, i:
         return context.get_dummy_value()
 
     return types.void(w, kind, codes, at, dm, i), codegen
+
+
+def _level_of(builder: Any, index: Any) -> Any:
+    """LEVELS[index] for 16 byte indices 0..15 (IR): one pshufb, or lane by lane."""
+    i8 = ir.VectorType(ir.IntType(8), LANES)
+    table = ir.Constant(i8, [value & 255 for value in LEVELS])
+    if _BYTE_SHUFFLE:
+        function = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(i8, [i8, i8]), "llvm.x86.ssse3.pshuf.b.128"
+        )
+        return builder.call(function, [table, index])
+    result = ir.Constant(i8, ir.Undefined)
+    for lane in range(LANES):
+        at = builder.extract_element(index, ir.IntType(32)(lane))
+        value = builder.extract_element(table, at)
+        result = builder.insert_element(result, value, ir.IntType(32)(lane))
+    return result
 
 
 @intrinsic

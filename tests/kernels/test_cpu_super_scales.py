@@ -13,7 +13,7 @@ from pagedinfer.kernels.cpu import grid_gemm
 from pagedinfer.service import gguf_quants
 
 # Each type's fp16 fields (byte offsets in its block): d, and dmin where it has one.
-FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}
+FP16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,), "IQ4_NL": (0,)}
 
 
 def k_blocks(type_name: str, rows: int, blocks: int, seed: int = 0) -> np.ndarray:
@@ -34,7 +34,7 @@ def k_blocks(type_name: str, rows: int, blocks: int, seed: int = 0) -> np.ndarra
 def file_grid(type_name: str, raw: np.ndarray) -> tuple[grid_gemm.GridWeight, torch.Tensor]:
     """The executor's grid of a file tensor's blocks, and the fp32 weight they dequantise to."""
     block = gguf_quants.block_grid(raw, type_name)
-    assert block is not None and block.supers is not None
+    assert block is not None
     grid = grid_gemm.from_codes(block.codes, block.d, block.m, block.low, block.high, block.supers)
     weight = torch.from_numpy(gguf_quants.dequantize(raw, type_name))
     assert grid is not None
@@ -46,16 +46,18 @@ LAYOUTS = {
     "Q4_K": (grid_gemm.AFFINE4, np.uint8, 4 + (64 + 8 * 32) * 8 / 4096),
     "Q5_K": (grid_gemm.SCALED8, np.uint8, 8 + (64 + 8 * 32) * 8 / 4096),
     "Q6_K": (grid_gemm.FINE6, np.int8, 6 + (32 + 16 * 16) * 8 / 4096),
-    "IQ4_XS": (grid_gemm.SCALED8, np.int8, 8 + (32 + 8 * 16) * 8 / 4096),
+    "IQ4_XS": (grid_gemm.LEVELS4, np.int8, 4 + (32 + 8 * 16) * 8 / 4096),
+    "IQ4_NL": (grid_gemm.LEVELS4, np.uint16, 4 + 2 * 16 / 32),  # fp16 d and m per 32
 }
 
 
 @pytest.mark.parametrize("type_name", list(LAYOUTS))
 def test_a_k_quant_keeps_its_files_scales_and_gives_each_weight_exactly(type_name) -> None:
     """Scales as the file's integers (d * scale and dmin * min formed as the dequantisation
-    forms them), each weight the dequantisation's value, one ulp off not held, and the
-    products the fixed order's bits in every call size."""
-    raw = k_blocks(type_name, rows=64, blocks=2, seed=3)
+    forms them; IQ4_NL's fp16 d as it is), codes in as many bits as the file's (the
+    i-quants' as indices into their levels), each weight the dequantisation's value, one
+    ulp off not held, and the products the fixed order's bits in every call size."""
+    raw = k_blocks(type_name, rows=64, blocks=512 // gguf_quants.FORMATS[type_name].values, seed=3)
     grid, weight = file_grid(type_name, raw)
     kind, scale_type, bits = LAYOUTS[type_name]
     assert grid.kind == kind and grid.scales.dtype == scale_type
@@ -67,8 +69,7 @@ def test_a_k_quant_keeps_its_files_scales_and_gives_each_weight_exactly(type_nam
     # The fp32 d and m the kernels form are those the file's dequantisation forms.
     block = gguf_quants.block_grid(raw, type_name)
     plain = grid_gemm.from_codes(block.codes, block.d, block.m, block.low, block.high)
-    assert plain.scales.dtype == np.float32
-    assert np.array_equal(grid_gemm._fp32_scales(grid.scales), plain.scales)
+    assert np.array_equal(grid_gemm._fp32_scales(grid.scales), grid_gemm._fp32_scales(plain.scales))
     order = grid_gemm.fixed_order(512)
     x = torch.randn(grid_gemm.MAX_ROWS + 9, 512, generator=torch.Generator().manual_seed(2))
     expected = emulate(weight, x, order)
@@ -119,3 +120,7 @@ def test_scales_that_do_not_give_the_weights_d_and_m_are_not_taken() -> None:
     dropped = gguf_quants.SuperScales(block.supers.d[:, :1], block.supers.scales[:, :8])
     grid = grid_gemm.from_codes(block.codes, block.d, block.m, block.low, block.high, dropped)
     assert grid is not None and grid.scales.dtype == np.float32
+
+
+def test_the_levels_are_the_i_quants_levels() -> None:
+    assert tuple(gguf_quants.IQ4_LEVELS.tolist()) == grid_gemm.LEVELS

@@ -245,7 +245,7 @@ QUANT_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
         ("affine4", "scaled8", "scaled8", "scaled8", "scaled8"),
     ),
     # As llama-quantize's Q4_K_M mixes them: q/k/v of Q5_0 and Q8_0 parts, down Q6_K in
-    # one layer (fine 8-bit) and Q4_K in the other (4-bit, fp32 scales), K-quant
+    # one layer (fine 6-bit) and Q4_K in the other (4-bit, the file's scales), K-quant
     # embeddings.
     "q4_k_m_like": (
         {
@@ -257,10 +257,10 @@ QUANT_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
             "output.": "Q8_0",
             "token_embd": "Q4_K",
         },
-        ("scaled8", "scaled8", "scaled8", "fine8/affine4", "scaled8"),
+        ("scaled8", "scaled8", "scaled8", "fine6/affine4", "scaled8"),
     ),
-    # Q4_K_M of a model whose rows are multiples of 256: Q4_K (4-bit codes with fp32
-    # scales per 32), Q5_K (8-bit codes, fp32 scales per 32), Q6_K (fine: per 16).
+    # Q4_K_M of a model whose rows are multiples of 256: Q4_K (4-bit codes), Q5_K (8-bit
+    # codes), Q6_K (6-bit, fine: per 16), each with the file's scales.
     "k_quants": (
         {
             "blk.0.ffn_down": "Q6_K",
@@ -271,11 +271,11 @@ QUANT_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
             "output.": "Q6_K",
             "token_embd": "Q4_K",
         },
-        ("affine4", "scaled8", "affine4", "fine8", "fine8"),
+        ("affine4", "scaled8", "affine4", "fine6", "fine6"),
     ),
-    # An IQ4_XS file as llama-quantize makes it: IQ4_XS layers (the 16 levels as 8-bit
-    # codes, fp32 scales per 32), IQ4_NL where a row is not whole super-blocks (8-bit codes,
-    # fp16 scales), a Q6_K LM head (fine).
+    # An IQ4_XS file as llama-quantize makes it: IQ4_XS layers (4-bit indices into the 16
+    # levels, the file's scales), IQ4_NL where a row is not whole super-blocks (the same
+    # indices, fp16 scales), a Q6_K LM head (fine 6-bit).
     "iq4_xs": (
         {
             "blk.0.ffn_down": "IQ4_NL",
@@ -283,10 +283,10 @@ QUANT_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
             "output.": "Q6_K",
             "token_embd": "IQ4_XS",
         },
-        ("scaled8", "scaled8", "scaled8", "scaled8", "fine8"),
+        ("levels4", "levels4", "levels4", "levels4", "fine6"),
     ),
     # The other types: K-quant parts beside an fp32 layer (rebuilt), a Q4_0 layer beside
-    # a Q8_0 one (each in its own kind), Q6_K (fine), F16 and BF16 (rebuilt), and a Q5_1
+    # a Q8_0 one (each in its own kind), Q6_K (fine 6-bit), F16 and BF16 (rebuilt), and a Q5_1
     # LM head (8-bit with offsets: no 8-bit argmax).
     "the_rest": (
         {
@@ -303,7 +303,7 @@ QUANT_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
             "blk.1.ffn_down": "Q6_K",
             "output.": "Q5_1",
         },
-        ("rebuilt", "affine4/scaled8", "rebuilt", "fine8", "scaled8"),
+        ("rebuilt", "affine4/scaled8", "rebuilt", "fine6", "scaled8"),
     ),
 }
 # The d (and dmin) of the types gguf-py does not quantise, for weights of a few
