@@ -388,14 +388,19 @@ def test_a_row_comes_out_the_same_in_a_step_of_any_size(
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("rows", [[1, 7, 40, 41], [41], []], ids=["some", "one", "none"])
 def test_rows_without_logits_skip_the_last_layers_mlp_and_change_nothing(
-    executor: CpuExecutor, rows: list[int]
+    request: pytest.FixtureRequest, rows: list[int], family: str
 ) -> None:
     """Two prompt chunks and a decode with logits (and greedy tokens) for a few rows only:
-    the fused step runs the last layer's attention output and MLP for those rows alone,
-    and gives them the logits and tokens the layer-by-layer step gives, with the same
-    K/V."""
+    the fused step runs the last layer's attention output and MLP (and Gemma 3's norms of
+    their outputs) for those rows alone, and gives them the logits and tokens the
+    layer-by-layer step gives, with the same K/V."""
+    if family == "llama":
+        executor = request.getfixturevalue("executor")
+    else:
+        executor, _ = request.getfixturevalue("gemma3_executor")
     base = prefilled(executor, [20, 5, 9], room=40)
     chunks = [(0, [42], 20), (1, [3 + i % 40 for i in range(30)], 5), (2, [8] * 11, 9)]
     greedy = torch.tensor([i % 2 == 0 for i in range(len(rows))], dtype=torch.bool)
@@ -607,28 +612,40 @@ def test_q_and_k_heads_are_normed_in_the_fused_step() -> None:
     assert_fused_is_the_model_not_the_plain_one(executor, reference, without)
 
 
-def test_gemma3s_norms_window_and_activation_are_data_and_a_switch_of_the_fused_step() -> None:
+# A Gemma 3 of `grid_model`'s shapes: local layers with a window shorter than the prompts
+# and a rope of their own beside a global layer.
+GEMMA3_FIELDS: dict[str, Any] = {
+    "architecture": "gemma3",
+    "qk_norm": True,
+    "query_pre_attn_scalar": 48.0,
+    "local_layers": (0, 2),
+    "local_rope_theta": 100.0,
+    "sliding_window": 8,
+}
+
+
+@pytest.fixture(scope="module")
+def gemma3_executor() -> tuple[CpuExecutor, DecoderModel]:
+    """The executor of a Gemma 3 on grids, and a copy of the model for its torch forward."""
+    model = grid_model(seed=1, **GEMMA3_FIELDS)
+    reference = copy.deepcopy(model)
+    return grid_executor(model), reference
+
+
+def test_gemma3s_norms_window_and_activation_are_data_and_a_switch_of_the_fused_step(
+    gemma3_executor: tuple[CpuExecutor, DecoderModel],
+) -> None:
     """Gemma 3 on grids: norms scaled by 1 + weight, each block's output normed before the
     residual add, GELU (tanh) in the gate/up GEMM, local layers with a window shorter than
     the prompts and a rope of their own beside a global layer: the fused step reads the
     folded norms, output norms and windows as data and gives the layered logits and K/V
     bit for bit; both are the model's own torch forward within rounding, and the same
     weights attending fully differ."""
-    fields: dict[str, Any] = {
-        "architecture": "gemma3",
-        "qk_norm": True,
-        "query_pre_attn_scalar": 48.0,
-        "local_layers": (0, 2),
-        "local_rope_theta": 100.0,
-        "sliding_window": 8,
-    }
-    model = grid_model(seed=1, **fields)
+    executor, reference = gemma3_executor
     assert {"gemma_rms_norm", "gelu_tanh_glu", "sandwich_norms", "sliding_window"} <= (
-        model.config.features()
+        reference.config.features()
     )
-    reference = copy.deepcopy(model)
-    layer = model.layers[1]
-    executor = grid_executor(model)
+    model, layer = reference, reference.layers[1]
     fused = executor.fused
     assert fused.windows.tolist() == [8, 0, 8]
     assert [la.window for la in executor.layers] == [8, None, 8]
@@ -640,7 +657,7 @@ def test_gemma3s_norms_window_and_activation_are_data_and_a_switch_of_the_fused_
     )
     assert np.array_equal(fused.qk_norm[1, 0], 1.0 + layer.self_attn.q_norm.weight.detach().numpy())
     assert np.array_equal(fused.final_norm, 1.0 + model.norm.weight.detach().numpy())
-    full = grid_executor(grid_model(seed=1, **{**fields, "sliding_window": None}))
+    full = grid_executor(grid_model(seed=1, **{**GEMMA3_FIELDS, "sliding_window": None}))
     assert full.fused.windows.tolist() == [0, 0, 0]
     assert_fused_is_the_model_not_the_plain_one(executor, reference, full)
     # A decode, and a run of 8 whose last tokens' windows start past a block its first
