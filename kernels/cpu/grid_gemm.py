@@ -6,11 +6,11 @@ w = fp16(d) * q + fp16(m) with q in 0..15 (4-bit, affine) or w = fp16(d) * q wit
 -127..127 (8-bit). `to_grid` finds that grid and keeps it in 5 (4-bit) or 9 (8-bit) bits
 a weight instead of 32. A GGUF K-quant's weight is d * q + m with fp32 d and m, per run
 of 32 inputs (Q4_K, Q5_K, IQ4_XS: the 4-bit or 8-bit grid) or 16 (the others: FINE8, or
-FINE6 where the codes fit 6 bits, as Q6_K's do), each d and m the product of an fp16 per
-256 inputs and a small integer per run; `from_codes` keeps the file's blocks as those
-grids, with the scales as the file keeps them (SUPER), multiplied out in registers as
-the dequantisation multiplies them: Q4_K in 4.6 bits a weight, Q6_K in 6.6, IQ4_XS (its
-codes indices into a table of 16 levels) in 4.3.
+with 512-bit vectors FINE6 where the codes fit 6 bits, as Q6_K's do), each d and m the
+product of an fp16 per 256 inputs and a small integer per run; `from_codes` keeps the
+file's blocks as those grids, with the scales as the file keeps them (SUPER), multiplied
+out in registers as the dequantisation multiplies them: Q4_K in 4.6 bits a weight, Q6_K
+in 8.6 (6.6 as FINE6), IQ4_XS (its codes indices into a table of 16 levels) in 4.3.
 Weights on no grid run the same kernels from fp32 tiles (REBUILT), or from their 16 bits
 where every value is a bf16 or an fp16 (BF16, FP16). A model served in bf16 multiplies in
 bf16 (BF16_DOT: weights and inputs rounded to bf16, products summed in fp32, two inputs
@@ -122,8 +122,9 @@ FINE8 = "fine8"
 FINE_BLOCK = 16
 # FINE8's weights whose codes fit 6 bits (-32..31: a GGUF Q6_K's, and Q4_K's beside them
 # in one fused weight), in 6 bits: codes uint8 [tiles, 3K / 4, 16], per 4 inputs 4i ..
-# 4i + 3 three rows: the low 4 bits of inputs 4i and 4i + 1 (as AFFINE4 pairs them), of
-# 4i + 2 and 4i + 3, then the high 2 bits of all four (input 4i + h at bit 2h).
+# 4i + 3 three rows, row h holding input 4i + h's 6 bits in its bits 2..7 (so that the
+# byte masked is 4 q, signed) and 2 bits of input 4i + 3's in bits 0..1 (its bits 4..5,
+# 2..3, 0..1 in rows 0, 1, 2).
 FINE6 = "fine6"
 # 4-bit indices into LEVELS (a GGUF IQ4_NL's or IQ4_XS's non-linear grid), kept as AFFINE4
 # keeps its codes: the weight is d * LEVELS[index] (m is 0).
@@ -149,6 +150,10 @@ NATIVE_BF16_DOT = bool(llvm.get_host_cpu_features().get("avx512bf16", False))
 # Whether this CPU looks up 16 bytes in a 16-byte table in one instruction (pshufb), as
 # LEVELS4 kernels do; elsewhere they look each up on its own.
 _BYTE_SHUFFLE = bool(llvm.get_host_cpu_features().get("ssse3", False))
+# Whether `from_codes` keeps 6-bit codes in FINE6 rather than FINE8: with AVX2 alone its
+# unpacking costs a decode step more than the bytes it saves (the step is bound by its
+# instructions there, not by memory), so only CPUs with 512-bit vectors take it.
+SIX_BIT_CODES = _WIDE_VECTORS
 
 
 @dataclass(frozen=True)
@@ -213,13 +218,13 @@ def _codes(kind: str, codes: np.ndarray) -> np.ndarray:
     """A grid's codes, one per weight: int8 [tiles, K, 16]."""
     if kind == FINE6:
         tiles, rows = codes.shape[:2]
-        rows3 = codes.reshape(tiles, rows // 3, 3, LANES).astype(np.int16)
-        q = np.empty((tiles, rows // 3, 4, LANES), dtype=np.int16)
-        for h in range(4):
-            low = rows3[:, :, h // 2] >> (4 * (h % 2)) & 15
-            q[:, :, h] = low | ((rows3[:, :, 2] >> (2 * h) & 3) << 4)
-        q = np.where(q >= 32, q - 64, q)
-        return q.reshape(tiles, rows // 3 * 4, LANES).astype(np.int8)
+        rows3 = codes.reshape(tiles, rows // 3, 3, LANES)
+        q = np.empty((tiles, rows // 3, 4, LANES), dtype=np.uint8)
+        q[:, :, :3] = rows3 & np.uint8(0xFC)
+        q[:, :, 3] = 0
+        for h in range(3):
+            q[:, :, 3] |= (rows3[:, :, h] & np.uint8(3)) << np.uint8(6 - 2 * h)
+        return (q.view(np.int8) >> 2).reshape(tiles, rows // 3 * 4, LANES)
     if kind not in (AFFINE4, LEVELS4):
         return codes.view(np.int8) if codes.dtype == np.uint8 else codes
     tiles, pairs = codes.shape[:2]
@@ -237,7 +242,9 @@ def block_of(kind: str) -> int:
 
 def steps_of(kind: str) -> int:
     """Inputs one step of a kernel rebuilds (`_dequant`)."""
-    return 2 if kind in (AFFINE4, BF16_DOT, FINE6, LEVELS4) else 1
+    if kind == FINE6:
+        return 4
+    return 2 if kind in (AFFINE4, BF16_DOT, LEVELS4) else 1
 
 
 def code_rows(kind: str, in_features: int) -> int:
@@ -251,12 +258,10 @@ def six_bit(q: np.ndarray) -> np.ndarray:
     """Codes int8 [tiles, K, 16] in -32..31 in FINE6's layout."""
     tiles, k = q.shape[:2]
     bits = q.view(np.uint8).reshape(tiles, k // 4, 4, LANES) & np.uint8(63)
-    low, high = bits & np.uint8(15), bits >> np.uint8(4)
+    last = bits[:, :, 3]
     packed = np.empty((tiles, k // 4, 3, LANES), dtype=np.uint8)
-    packed[:, :, 0] = low[:, :, 0] | (low[:, :, 1] << np.uint8(4))
-    packed[:, :, 1] = low[:, :, 2] | (low[:, :, 3] << np.uint8(4))
-    packed[:, :, 2] = high[:, :, 0] | (high[:, :, 1] << np.uint8(2))
-    packed[:, :, 2] |= (high[:, :, 2] << np.uint8(4)) | (high[:, :, 3] << np.uint8(6))
+    for h in range(3):
+        packed[:, :, h] = (bits[:, :, h] << np.uint8(2)) | ((last >> np.uint8(4 - 2 * h)) & 3)
     return packed.reshape(tiles, k // 4 * 3, LANES)
 
 
@@ -482,6 +487,7 @@ def from_codes(
     low: int,
     high: int,
     supers: Any = None,
+    six_bits: bool = SIX_BIT_CODES,
 ) -> GridWeight | None:
     """The grid of a weight known to be fp32(d * q) + m in each run of inputs (a GGUF
     file's blocks): codes int8 [out_features, in_features] in low..high; d and m
@@ -490,7 +496,8 @@ def from_codes(
     which decodes faster than 5 packed bits), with scales of d's type;
     runs of FINE_BLOCK give FINE8 (fp32 scales). supers: where d and m are the products
     of a super-block type's scales as its file keeps them (`gguf_quants.SuperScales`),
-    those in the SUPER layout instead of fp32. None where the shape does not tile."""
+    those in the SUPER layout instead of fp32. six_bits: runs of FINE_BLOCK whose codes fit
+    -32..31 give FINE6. None where the shape does not tile."""
     n, k = codes.shape
     if not shape_supported(n, k) or m.shape != d.shape or d.dtype != m.dtype:
         return None
@@ -504,7 +511,10 @@ def from_codes(
     if k // runs == FINE_BLOCK:
         kind, packed = FINE8, np.ascontiguousarray(tiled, dtype=np.int8)
         d, m = d.astype(np.float32), m.astype(np.float32)
-        if low >= -32 and high <= 31:
+        # FINE6 rebuilds fp32(4 q * (d / 4)) + m: d / 4 is exact where d is 0 or not below
+        # 4 times fp32's least normal (a file's scales, fp16 times integers, always are).
+        tiny = np.abs(d)[d != 0].min(initial=np.inf) < 2.0**-124
+        if six_bits and low >= -32 and high <= 31 and not tiny:
             kind, packed = FINE6, six_bit(packed)
     elif low >= 0 and high <= 15:
         kind, q = AFFINE4, tiled.view(np.uint8)
@@ -690,16 +700,15 @@ def _block_scales(typingctx: Any, dm: Any, scales: Any, sat: Any, runs: Any) -> 
 
 
 @intrinsic
-def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, dm: Any, i: Any) -> Any:
+def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, dm: Any) -> Any:
     """The weights of one step of the inputs for one tile, rebuilt as fp32(d * q) + m, each
     operation rounded once as the dequantisation rounded them (d * q is exact in fp32: an
     fp16 times a code of at most 8 bits, so one fused multiply-add gives the same bits):
     4-bit: w[0] and w[1] from the 16 bytes codes[at:] (inputs 2p and 2p + 1); 8-bit: w[0]
     from codes[at:]; d, m: dm[0] and dm[1] (`_block_scales`). Rebuilt: w[0] is the 16 fp32
     values codes[at:], as they are (BF16_DOT: its 16 words of two bf16s, bit for bit);
-    BF16 and FP16: their 16 values widened (dm unused). 6-bit (FINE6): w[0] and w[1],
-    inputs i and i + 1, from their 4 low bits' 16 bytes codes[at:] and the high bits' 16
-    bytes of their group of 4 inputs, which follow the group's low bits."""
+    BF16 and FP16: their 16 values widened (dm unused). 6-bit (FINE6): w[0] .. w[3] from
+    the 48 bytes codes[at:] of their 4 inputs."""
     if not isinstance(kind, types.StringLiteral):
         return None
     affine = kind.literal_value == AFFINE4
@@ -738,36 +747,31 @@ def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, dm: Any, i:
         m = builder.load(vector_at(4, ir.Constant(ir.IntType(64), LANES), ir.FloatType()), align=4)
         raw = builder.load(vector_at(2, args[3], ir.IntType(8)), align=1)
         if six:
-            i64 = ir.IntType(64)
-            index = context.cast(builder, args[5], signature.args[5], types.int64)
-            part = builder.and_(builder.lshr(index, i64(1)), i64(1))  # 0: inputs 4g, 4g + 1
+            i8 = ir.VectorType(ir.IntType(8), LANES)
+
+            def byte(value: int) -> Any:
+                return ir.Constant(i8, [value] * LANES)
+
             at = context.cast(builder, args[3], signature.args[3], types.int64)
-            high_at = builder.add(at, builder.mul(builder.sub(i64(2), part), i64(LANES)))
-            high = builder.zext(builder.load(vector_at(2, high_at, ir.IntType(8)), align=1), i32)
-            shift = builder.trunc(builder.mul(part, i64(4)), ir.IntType(32))
-            spread = builder.shuffle_vector(
-                builder.insert_element(ir.Constant(i32, ir.Undefined), shift, ir.IntType(32)(0)),
-                ir.Constant(i32, ir.Undefined),
-                ir.Constant(i32, [0] * LANES),
-            )
-            high = builder.lshr(high, spread)
-            wide = builder.zext(raw, i32)
-            codes = []
-            for low, up in (
-                (builder.and_(wide, ir.Constant(i32, [15] * LANES)), high),
-                (
-                    builder.lshr(wide, ir.Constant(i32, [4] * LANES)),
-                    builder.lshr(high, ir.Constant(i32, [2] * LANES)),
-                ),
-            ):
-                up = builder.and_(up, ir.Constant(i32, [3] * LANES))
-                code = builder.or_(low, builder.shl(up, ir.Constant(i32, [4] * LANES)))
-                # -32..31 from its 6 bits: shifted to the top of the lane and back, signed.
-                code = builder.ashr(
-                    builder.shl(code, ir.Constant(i32, [26] * LANES)),
-                    ir.Constant(i32, [26] * LANES),
+            low, second, high = (
+                builder.load(
+                    vector_at(2, builder.add(at, ir.IntType(64)(r * LANES)), ir.IntType(8)),
+                    align=1,
                 )
-                codes.append(code)
+                for r in range(3)
+            )
+            # Inputs 4g .. 4g + 3 as 4 q in a byte each: three rows masked, and the fourth
+            # from their bits 0..1; the weight is then fp32(4 q * (d / 4)) + m, exactly.
+            last = builder.or_(
+                builder.shl(builder.and_(low, byte(3)), byte(6)),
+                builder.or_(
+                    builder.shl(builder.and_(second, byte(3)), byte(4)),
+                    builder.shl(builder.and_(high, byte(3)), byte(2)),
+                ),
+            )
+            sixes = (*(builder.and_(row, byte(0xFC)) for row in (low, second, high)), last)
+            codes = [builder.sext(q, i32) for q in sixes]
+            d = builder.fmul(d, ir.Constant(f32, [0.25] * LANES))
         elif levels:
             i8 = ir.VectorType(ir.IntType(8), LANES)
             codes = [
@@ -791,7 +795,7 @@ def _dequant(typingctx: Any, w: Any, kind: Any, codes: Any, at: Any, dm: Any, i:
             builder.store(value, builder.bitcast(target, f32.as_pointer()), align=4)
         return context.get_dummy_value()
 
-    return types.void(w, kind, codes, at, dm, i), codegen
+    return types.void(w, kind, codes, at, dm), codegen
 
 
 def _level_of(builder: Any, index: Any) -> Any:
@@ -888,7 +892,7 @@ def _code_at(kind: str) -> Callable[[int], int]:
 
         @jit(inline="always")
         def six(i: int) -> int:
-            return i // 4 * 3 * LANES + (i // 2 % 2) * LANES
+            return i // 4 * 3 * LANES
 
         return six
     steps = steps_of(kind)
@@ -946,6 +950,7 @@ def gemm_kernel(
     values = half * rows * LANES  # with silu: the group's outputs
     streamed = kind in IN_PLACE
     code_at = _code_at(kind)
+    held = max(steps, 2)  # weights one step rebuilds (a BF16_DOT step: one pair word)
 
     @jit(inline="always")
     def tile_of(group: int, b: int, tiles: int) -> int:
@@ -991,7 +996,7 @@ def gemm_kernel(
     ) -> None:
         total = stack_array((tb, rows, LANES))
         acc = stack_array((tb, rows, LANES))
-        w = stack_array((tb, 2, LANES))
+        w = stack_array((tb, held, LANES))
         dm = stack_array((tb, 2, LANES))
         negative, decay = stack_array((values,)), stack_array((values,))
         result, bits = stack_array((half, rows, LANES)), int_stack_array((values,))
@@ -1017,7 +1022,7 @@ def gemm_kernel(
                             _block_scales(dm[b], scales, sat, runs)
                     for b in range(tb):
                         at = tile_of(group, b, tiles) * code_row + code_at(i)
-                        _dequant(w[b], kind, codes, at, dm[b], i)
+                        _dequant(w[b], kind, codes, at, dm[b])
                         if streamed and skip > 0:
                             prefetch(codes, at + skip * code_row)
                     products(acc, w, x, r0, i)
@@ -1137,7 +1142,7 @@ def gemm_all_rows(
                 if scaled:
                     _block_scales(dm, scales, (t * blocks + i0 // block) * 2 * LANES, runs)
                 for i in range(i0, i0 + block, steps):
-                    _dequant(w[b, i:], kind, codes, t * code_row + code_at(i), dm, i)
+                    _dequant(w[b, i:], kind, codes, t * code_row + code_at(i), dm)
         return w, 0, half
 
     @jit(inline="always")

@@ -34,7 +34,9 @@ log = logging.getLogger(__name__)
 
 Grids = tuple[list[list[grid_gemm.GridWeight]], grid_gemm.GridWeight]
 _MAGIC = b"pagedinfer-cpu-grids\n"
-_VERSION = 2  # 2: K-quants with their files' scales (SUPER) and 6-bit codes (FINE6)
+# 2: K-quants with their files' scales (SUPER) and 6-bit codes (FINE6); 3: FINE6 rows
+# hold one input's 6 bits a byte (bits 2..7), the fourth input's spread over bits 0..1.
+_VERSION = 3
 _ALIGN = 64
 MAX_BYTES = 8 * 2**30
 # Each kind read back as grid_gemm's own string object, not an equal one from the JSON:

@@ -31,11 +31,16 @@ def k_blocks(type_name: str, rows: int, blocks: int, seed: int = 0) -> np.ndarra
     return raw.reshape(rows, blocks * fmt.nbytes)
 
 
-def file_grid(type_name: str, raw: np.ndarray) -> tuple[grid_gemm.GridWeight, torch.Tensor]:
-    """The executor's grid of a file tensor's blocks, and the fp32 weight they dequantise to."""
+def file_grid(
+    type_name: str, raw: np.ndarray, six_bits: bool
+) -> tuple[grid_gemm.GridWeight, torch.Tensor]:
+    """The executor's grid of a file tensor's blocks (6-bit codes in FINE6 or not), and the
+    fp32 weight they dequantise to."""
     block = gguf_quants.block_grid(raw, type_name)
     assert block is not None
-    grid = grid_gemm.from_codes(block.codes, block.d, block.m, block.low, block.high, block.supers)
+    grid = grid_gemm.from_codes(
+        block.codes, block.d, block.m, block.low, block.high, block.supers, six_bits
+    )
     weight = torch.from_numpy(gguf_quants.dequantize(raw, type_name))
     assert grid is not None
     return grid, weight
@@ -46,6 +51,7 @@ LAYOUTS = {
     "Q4_K": (grid_gemm.AFFINE4, np.uint8, 4 + (64 + 8 * 32) * 8 / 4096),
     "Q5_K": (grid_gemm.SCALED8, np.uint8, 8 + (64 + 8 * 32) * 8 / 4096),
     "Q6_K": (grid_gemm.FINE6, np.int8, 6 + (32 + 16 * 16) * 8 / 4096),
+    "Q6_K as 8-bit codes": (grid_gemm.FINE8, np.int8, 8 + (32 + 16 * 16) * 8 / 4096),
     "IQ4_XS": (grid_gemm.LEVELS4, np.int8, 4 + (32 + 8 * 16) * 8 / 4096),
     "IQ4_NL": (grid_gemm.LEVELS4, np.uint16, 4 + 2 * 16 / 32),  # fp16 d and m per 32
 }
@@ -57,9 +63,11 @@ def test_a_k_quant_keeps_its_files_scales_and_gives_each_weight_exactly(type_nam
     forms them; IQ4_NL's fp16 d as it is), codes in as many bits as the file's (the
     i-quants' as indices into their levels), each weight the dequantisation's value, one
     ulp off not held, and the products the fixed order's bits in every call size."""
-    raw = k_blocks(type_name, rows=64, blocks=512 // gguf_quants.FORMATS[type_name].values, seed=3)
-    grid, weight = file_grid(type_name, raw)
     kind, scale_type, bits = LAYOUTS[type_name]
+    file_type = type_name.split()[0]
+    blocks = 512 // gguf_quants.FORMATS[file_type].values
+    raw = k_blocks(file_type, rows=64, blocks=blocks, seed=3)
+    grid, weight = file_grid(file_type, raw, six_bits=kind == grid_gemm.FINE6)
     assert grid.kind == kind and grid.scales.dtype == scale_type
     assert grid.nbytes * 8 == bits * weight.numel()
     assert torch.equal(grid.dense(), weight) and grid_gemm.holds(grid, weight)
@@ -67,7 +75,7 @@ def test_a_k_quant_keeps_its_files_scales_and_gives_each_weight_exactly(type_nam
     off[37, 300] = torch.nextafter(off[37, 300], torch.tensor(np.inf))
     assert not grid_gemm.holds(grid, off)
     # The fp32 d and m the kernels form are those the file's dequantisation forms.
-    block = gguf_quants.block_grid(raw, type_name)
+    block = gguf_quants.block_grid(raw, file_type)
     plain = grid_gemm.from_codes(block.codes, block.d, block.m, block.low, block.high)
     assert np.array_equal(grid_gemm._fp32_scales(grid.scales), grid_gemm._fp32_scales(plain.scales))
     order = grid_gemm.fixed_order(512)
@@ -77,27 +85,31 @@ def test_a_k_quant_keeps_its_files_scales_and_gives_each_weight_exactly(type_nam
         assert torch.equal(grid_gemm.grid_linear(x[:rows], grid, order), expected[:rows]), rows
 
 
-def test_q4_k_and_q6_k_parts_of_one_weight_keep_their_files_scales() -> None:
+@pytest.mark.parametrize("kind", [grid_gemm.FINE6, grid_gemm.FINE8])
+def test_q4_k_and_q6_k_parts_of_one_weight_keep_their_files_scales(kind) -> None:
     """A fused weight of Q4_K rows (q, k) and Q6_K rows (v), as a Q4_K_M file's layers
-    have it: runs of 16, the Q4_K runs' scales twice, Q6_K's with zero mins; exact, and
-    the fixed order's products."""
+    have it: runs of 16, the Q4_K runs' scales twice, Q6_K's with zero mins, in 6-bit or
+    8-bit codes; exact, and the fixed order's products."""
     parts = [("Q4_K", 48), ("Q6_K", 16)]
     raws = [k_blocks(name, rows, blocks=2, seed=9 + rows) for name, rows in parts]
     blocks = [gguf_quants.block_grid(raw, name) for raw, (name, _) in zip(raws, parts, strict=True)]
     whole = gguf_quants.concatenate(blocks)
     assert whole.supers is not None and whole.supers.mins is not None
     assert whole.group == 16
-    grid = grid_gemm.from_codes(whole.codes, whole.d, whole.m, whole.low, whole.high, whole.supers)
+    six_bits = kind == grid_gemm.FINE6
+    grid = grid_gemm.from_codes(
+        whole.codes, whole.d, whole.m, whole.low, whole.high, whole.supers, six_bits
+    )
     weight = torch.cat(
         [
             torch.from_numpy(gguf_quants.dequantize(raw, name))
             for raw, (name, _) in zip(raws, parts, strict=True)
         ]
     )
-    assert grid.kind == grid_gemm.FINE6 and grid.scales.dtype == np.uint8
+    assert grid.kind == kind and grid.scales.dtype == np.uint8
     assert torch.equal(grid.dense(), weight) and grid_gemm.holds(grid, weight)
     wide = grid_gemm.fine(grid)  # as a position mixing it with other kinds takes it
-    assert wide.kind == grid_gemm.FINE8 and wide.scales.dtype == np.float32
+    assert wide.kind == grid_gemm.FINE8 and (wide is grid or wide.scales.dtype == np.float32)
     assert torch.equal(wide.dense(), weight) and grid_gemm.holds(wide, weight)
     order = grid_gemm.fixed_order(512)
     x = torch.randn(grid_gemm.MAX_ROWS + 3, 512, generator=torch.Generator().manual_seed(4))

@@ -16,6 +16,7 @@ import pytest
 import torch
 from paged_cache import PagedCache
 
+from pagedinfer.kernels.cpu.grid_gemm import SIX_BIT_CODES
 from pagedinfer.service.loader import default_gguf_path, load_model
 
 pytestmark = pytest.mark.slow
@@ -217,6 +218,8 @@ QUANT_CONFIG = {
     "num_key_value_heads": 2,
     "tie_word_embeddings": False,
 }
+# Q6_K's kind: its 6-bit codes as they are where the CPU has 512-bit vectors, else 8-bit.
+FINE = "fine6" if SIX_BIT_CODES else "fine8"
 # GGUF tensor name prefix -> type, first match wins; each plan with the grid kinds the
 # executor's positions get (q/k/v, o, gate/up, down, LM head; "a/b": layer 0 in kind a,
 # layer 1 in kind b).
@@ -245,7 +248,7 @@ QUANT_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
         ("affine4", "scaled8", "scaled8", "scaled8", "scaled8"),
     ),
     # As llama-quantize's Q4_K_M mixes them: q/k/v of Q5_0 and Q8_0 parts, down Q6_K in
-    # one layer (fine 6-bit) and Q4_K in the other (4-bit, the file's scales), K-quant
+    # one layer (fine) and Q4_K in the other (4-bit, the file's scales), K-quant
     # embeddings.
     "q4_k_m_like": (
         {
@@ -257,10 +260,10 @@ QUANT_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
             "output.": "Q8_0",
             "token_embd": "Q4_K",
         },
-        ("scaled8", "scaled8", "scaled8", "fine6/affine4", "scaled8"),
+        ("scaled8", "scaled8", "scaled8", f"{FINE}/affine4", "scaled8"),
     ),
     # Q4_K_M of a model whose rows are multiples of 256: Q4_K (4-bit codes), Q5_K (8-bit
-    # codes), Q6_K (6-bit, fine: per 16), each with the file's scales.
+    # codes), Q6_K (fine: per 16), each with the file's scales.
     "k_quants": (
         {
             "blk.0.ffn_down": "Q6_K",
@@ -271,11 +274,11 @@ QUANT_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
             "output.": "Q6_K",
             "token_embd": "Q4_K",
         },
-        ("affine4", "scaled8", "affine4", "fine6", "fine6"),
+        ("affine4", "scaled8", "affine4", FINE, FINE),
     ),
     # An IQ4_XS file as llama-quantize makes it: IQ4_XS layers (4-bit indices into the 16
     # levels, the file's scales), IQ4_NL where a row is not whole super-blocks (the same
-    # indices, fp16 scales), a Q6_K LM head (fine 6-bit).
+    # indices, fp16 scales), a Q6_K LM head (fine).
     "iq4_xs": (
         {
             "blk.0.ffn_down": "IQ4_NL",
@@ -283,10 +286,10 @@ QUANT_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
             "output.": "Q6_K",
             "token_embd": "IQ4_XS",
         },
-        ("levels4", "levels4", "levels4", "levels4", "fine6"),
+        ("levels4", "levels4", "levels4", "levels4", FINE),
     ),
     # The other types: K-quant parts beside an fp32 layer (rebuilt), a Q4_0 layer beside
-    # a Q8_0 one (each in its own kind), Q6_K (fine 6-bit), F16 and BF16 (rebuilt), and a Q5_1
+    # a Q8_0 one (each in its own kind), Q6_K (fine), F16 and BF16 (rebuilt), and a Q5_1
     # LM head (8-bit with offsets: no 8-bit argmax).
     "the_rest": (
         {
@@ -303,7 +306,7 @@ QUANT_PLANS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
             "blk.1.ffn_down": "Q6_K",
             "output.": "Q5_1",
         },
-        ("rebuilt", "affine4/scaled8", "rebuilt", "fine6", "scaled8"),
+        ("rebuilt", "affine4/scaled8", "rebuilt", FINE, "scaled8"),
     ),
 }
 # The d (and dmin) of the types gguf-py does not quantise, for weights of a few
