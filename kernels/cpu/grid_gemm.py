@@ -143,6 +143,14 @@ BF16, FP16 = "bf16", "fp16"
 # starts; products summed in fp32 by AVX512-BF16's vdpbf16ps, two inputs an instruction.
 BF16_DOT = "bf16dot"
 DENSE = (REBUILT, BF16, FP16, BF16_DOT)  # the kinds of weights on no quantisation grid
+# A grid's codes laid out for integer products with rows quantised to int8
+# (`int8_gemm`): per tile, each 32-bit word of a lane holds 4 consecutive inputs' codes,
+# so one broadcast word of a row's codes multiplies 16 outputs (codes int32 [tiles, K / 4,
+# 16]); DOT4 keeps two words' 4-bit codes in one, inputs 8h .. 8h + 3 in the low nibbles
+# and 8h + 4 .. 8h + 7 in the high (codes int32 [tiles, K / 8, 16]). Scales as the grid
+# they came from keeps them: per 32 inputs (DOT4, DOT8) or 16 (DOT8_FINE).
+DOT4, DOT8, DOT8_FINE = "dot4", "dot8", "dot8fine"
+DOTS = (DOT4, DOT8, DOT8_FINE)
 IN_PLACE = (REBUILT, BF16_DOT)  # the kinds whose codes the products read as they are
 # Whether this CPU multiplies bf16 pairs natively (vdpbf16ps); elsewhere BF16_DOT
 # kernels do the same two fused multiply-adds a pair in fp32, at half the speed.
@@ -225,6 +233,14 @@ def _codes(kind: str, codes: np.ndarray) -> np.ndarray:
         for h in range(3):
             q[:, :, 3] |= (rows3[:, :, h] & np.uint8(3)) << np.uint8(6 - 2 * h)
         return (q.view(np.int8) >> 2).reshape(tiles, rows // 3 * 4, LANES)
+    if kind in DOTS:
+        tiles = codes.shape[0]
+        raw = codes.view(np.uint8).reshape(tiles, codes.shape[1], LANES, 4)
+        if kind == DOT4:  # [tiles, K / 8, 2 nibbles, 4 inputs, 16]
+            raw = np.stack((raw & 15, raw >> 4), axis=2).transpose(0, 1, 2, 4, 3)
+        else:
+            raw = raw.transpose(0, 1, 3, 2)
+        return np.ascontiguousarray(raw).view(np.int8).reshape(tiles, -1, LANES)
     if kind not in (AFFINE4, LEVELS4):
         return codes.view(np.int8) if codes.dtype == np.uint8 else codes
     tiles, pairs = codes.shape[:2]
@@ -237,7 +253,7 @@ def _codes(kind: str, codes: np.ndarray) -> np.ndarray:
 
 def block_of(kind: str) -> int:
     """Inputs per scale of a grid of `kind`."""
-    return FINE_BLOCK if kind in FINE else GRID_BLOCK
+    return FINE_BLOCK if kind in (*FINE, DOT8_FINE) else GRID_BLOCK
 
 
 def steps_of(kind: str) -> int:
@@ -1095,6 +1111,10 @@ def gemm_all_rows(
 
     silu: out [M, out_features / 32, 16] gets silu(gate) * up of the product of a [gate |
     up] weight, as `gemm_kernel` gives it (gelu: gelu_tanh(gate) * up)."""
+    if kind in DOTS:
+        from pagedinfer.kernels.cpu import int8_gemm
+
+        return int8_gemm.gemm_all_rows(kind, in_features, silu, gelu)
     k, steps = in_features, steps_of(kind)
     code_row = code_rows(kind, k) * LANES
     code_at = _code_at(kind)

@@ -1,0 +1,409 @@
+"""GEMMs that multiply a GGUF file's codes as stored by rows quantised to int8 (numba, CPU).
+
+`grid_gemm`'s kernels rebuild every weight in fp32 and multiply in fp32: a decode step
+of a quantised model is then bound by those instructions, not by reading the weights.
+Here, as llama.cpp computes, the GEMM's input rows are quantised per block of 32 inputs
+to int8 codes a with a scale s = max |x| / 127 (`quantize_rows`), and each run of the
+weight's codes q (the file's: d and m per run, `grid_gemm.from_codes`) is multiplied by
+them in 32-bit integers, 4 byte products an instruction lane (AVX2's vpmaddubsw then
+vpmaddwd by ones: 32 a pair; AVX-512 VNNI's vpdpbusd: 64 in one):
+
+    out = sum over runs of d * s * (q . a) + m * (s * sum(a))
+
+vpmaddubsw multiplies unsigned bytes by signed ones and adds adjacent pairs in 16 bits:
+4-bit codes (0..15) are the unsigned side as they are; signed 8-bit codes give it their
+magnitudes, and their signs go to the row's codes (vpsignb). A pair then adds at most
+2 * 128 * 127, which 16 bits hold.
+
+The weight keeps the file's values exactly; the products differ from fp32 ones by the
+rows' rounding to int8, so this is a setting (`--gguf-activations int8`), not the exact
+path. Each output's sum runs over the runs in K order, whatever the rows: a row gets the
+same bits in a step of any size and on either path (fused or layer by layer).
+
+Layouts: `grid_gemm.DOT4`, `DOT8` and `DOT8_FINE` (`to_int8` makes them of a grid).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from llvmlite import binding as llvm
+from llvmlite import ir
+from numba.core import cgutils, types
+
+from pagedinfer.kernels.cpu import grid_gemm
+from pagedinfer.kernels.cpu.greedy_argmax import fma_ints
+from pagedinfer.kernels.cpu.numba_support import (
+    int_stack_array,
+    intrinsic,
+    jit,
+    lanes_add,
+    lanes_copy,
+    lanes_fma,
+    lanes_mul,
+    prefetch_all,
+    stack_array,
+)
+
+LANES = grid_gemm.LANES
+BLOCK = grid_gemm.GRID_BLOCK  # inputs sharing one scale of a row's int8 codes
+CODE_MAX = 127
+_FEATURES = llvm.get_host_cpu_features()
+VNNI = bool(_FEATURES.get("avx512vnni", False))
+AVX2 = bool(_FEATURES.get("avx2", False))
+# Rows one pass over a tile takes (fewer left over go one at a time): each keeps 16 lanes
+# of 32-bit sums and of fp32 totals, which AVX2's 16 registers hold for 4 rows at most.
+ROWS = 4
+# The grid kinds whose codes the integer products take, and the layout each becomes.
+_DOT_OF = {
+    grid_gemm.AFFINE4: grid_gemm.DOT4,
+    grid_gemm.SCALED8: grid_gemm.DOT8,
+    grid_gemm.FINE8: grid_gemm.DOT8_FINE,
+    grid_gemm.FINE6: grid_gemm.DOT8_FINE,
+}
+
+
+def fast() -> bool:
+    """Whether this CPU multiplies bytes into 32-bit sums in one or two instructions."""
+    return VNNI or AVX2
+
+
+def to_int8(grid: grid_gemm.GridWeight) -> grid_gemm.GridWeight | None:
+    """A grid's codes in the layout of its integer products (its scales as they are), or
+    None for a kind they do not take (a weight on no grid, or LEVELS4)."""
+    kind = _DOT_OF.get(grid.kind)
+    if kind is None:
+        return None
+    q = grid_gemm._codes(grid.kind, grid.codes)  # int8 [tiles, K, 16]
+    tiles, k = q.shape[:2]
+    if kind == grid_gemm.DOT4:
+        nibbles = q.view(np.uint8).reshape(tiles, k // 8, 2, 4, LANES)
+        packed = nibbles[:, :, 0] | (nibbles[:, :, 1] << np.uint8(4))  # [tiles, K / 8, 4, 16]
+    else:
+        packed = q.reshape(tiles, k // 4, 4, LANES)
+    codes = np.ascontiguousarray(packed.transpose(0, 1, 3, 2)).view(np.int32)[..., 0]
+    return grid_gemm.GridWeight(kind, grid.out_features, grid.in_features, codes, grid.scales)
+
+
+@jit(nogil=True, error_model="numpy")
+def quantize_rows(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, sums: np.ndarray) -> None:
+    """Rows x (fp32 [M, K]) as int8 codes [M, K] per block of BLOCK inputs, as llama.cpp's
+    q8_0 rounds them (its AVX2 code): s = max |x| / 127 (scales [M, K / BLOCK], kept in
+    fp32 where q8_0 keeps an fp16), a = x * (127 / max |x|) rounded to nearest, ties to
+    even (0 where max |x| is 0). sums [M, K / run]: s * sum(a) of each run
+    of inputs (runs of BLOCK or BLOCK / 2), the rows' share of a grid's offsets m."""
+    m, k = x.shape
+    run = k // sums.shape[1]
+    for r in range(m):
+        for b in range(k // BLOCK):
+            largest = np.float32(0.0)
+            for i in range(b * BLOCK, (b + 1) * BLOCK):
+                largest = max(largest, abs(x[r, i]))
+            s = largest / np.float32(CODE_MAX)
+            inverse = np.float32(CODE_MAX) / largest if largest > 0 else np.float32(0.0)
+            scales[r, b] = s
+            for i in range(b * BLOCK, (b + 1) * BLOCK):
+                a = min(max(np.rint(x[r, i] * inverse), -CODE_MAX), CODE_MAX)
+                codes[r, i] = np.int8(a)
+            for h in range(b * BLOCK // run, (b + 1) * BLOCK // run):
+                total = 0
+                for i in range(h * run, (h + 1) * run):
+                    total += codes[r, i]
+                sums[r, h] = s * np.float32(total)
+
+
+@functools.cache
+def _pass(kind: str, rows: int, in_features: int) -> Callable[..., None]:
+    """one_pass(words, row_scales, row_sums, codes, scales, t, r0, out, o, add): rows r0
+    .. r0 + rows - 1 times tile t of the weight into out[r, o] (+= with add): per run,
+    the 32-bit sums of code products, times d * s, plus m * s * sum(a), in K order."""
+    run = grid_gemm.block_of(kind)
+    runs = in_features // run
+    per_super = grid_gemm.SUPER_BLOCK // run  # runs a super-block of SUPER scales
+    nibbles = kind == grid_gemm.DOT4
+    code_words = run // 8 if nibbles else run // 4  # a run's words of a lane's codes
+    runs_per_block = BLOCK // run
+
+    @jit(nogil=True, error_model="numpy", inline="always")
+    def one_pass(
+        words: np.ndarray,
+        row_scales: np.ndarray,
+        row_sums: np.ndarray,
+        codes: np.ndarray,
+        scales: np.ndarray,
+        t: int,
+        r0: int,
+        out: np.ndarray,
+        o: int,
+        add: bool,
+    ) -> None:
+        total = stack_array((rows, LANES))
+        sums = int_stack_array((rows, LANES))
+        dm = stack_array((2, LANES))
+        scale = stack_array((LANES,))
+        for r in range(rows):
+            lanes_copy(total[r], np.float32(0.0), LANES)
+        for b in range(runs):
+            grid_gemm._block_scales(dm, scales, (t * runs + b) * 2 * LANES, per_super)
+            for r in range(rows):
+                for lane in range(LANES):
+                    sums[r, lane] = 0
+            for g in range(b * code_words, (b + 1) * code_words):
+                for r in range(rows):
+                    if nibbles:
+                        dot_nibbles(
+                            sums[r], words[r0 + r, 2 * g], words[r0 + r, 2 * g + 1], codes[t, g]
+                        )
+                    else:
+                        dot_signed(sums[r], words[r0 + r, g], codes[t, g])
+            for r in range(rows):
+                lanes_mul(scale, dm[0], row_scales[r0 + r, b // runs_per_block], LANES)
+                fma_ints(total[r], sums[r], scale)
+                lanes_fma(total[r], dm[1], row_sums[r0 + r, b], LANES)
+        for r in range(rows):
+            if add:
+                lanes_add(out[r0 + r, o], total[r], LANES)
+            else:
+                lanes_copy(out[r0 + r, o], total[r], LANES)
+
+    return one_pass
+
+
+@functools.cache
+def gemm_all_rows(
+    kind: str, in_features: int, silu: bool = False, gelu: bool = False
+) -> Callable[..., None]:
+    """gemm(x, codes, scales, out, add, worker, workers), as `grid_gemm.gemm_all_rows`
+    gives for a grid's kinds, for the DOTS kinds: each worker quantises the rows
+    (`quantize_rows`: a small share of its work, and no barrier), then takes every
+    workers-th group of TILE_GROUP tiles and runs ROWS rows a pass over each tile. silu:
+    out [M, out_features / 32, 16] gets silu(gate) * up (gelu: gelu_tanh(gate) * up)."""
+    k = in_features
+    run = grid_gemm.block_of(kind)
+    many, one = _pass(kind, ROWS, k), _pass(kind, 1, k)
+    group_tiles, half = grid_gemm.TILE_GROUP, grid_gemm.TILE_GROUP // 2
+    paired_tile, silu_rows = grid_gemm._paired_tile, grid_gemm._silu_rows
+
+    @jit(nogil=True, error_model="numpy")
+    def gemm(
+        given: np.ndarray,
+        codes: np.ndarray,
+        scales: np.ndarray,
+        out: np.ndarray,
+        add: bool,
+        worker: int,
+        workers: int,
+    ) -> None:
+        prefetch_all(given)  # in the fused step, rows every worker wrote a share of
+        m = given.shape[0]
+        row_codes = np.empty((m, k), dtype=np.int8)
+        row_scales = np.empty((m, k // BLOCK), dtype=np.float32)
+        row_sums = np.empty((m, k // run), dtype=np.float32)
+        quantize_rows(given, row_codes, row_scales, row_sums)
+        words = row_codes.view(np.int32)
+        tiles = codes.shape[0]
+        product = np.empty((2, m if silu else 0, half, LANES), dtype=np.float32)
+        silu_scratch = np.empty((4 if silu else 0, ROWS * half * LANES), np.float32)
+        for group in range(worker, tiles // group_tiles, workers):
+            for r0 in range(0, m, ROWS):
+                rows = min(ROWS, m - r0)
+                for b in range(group_tiles):
+                    if silu:
+                        t = paired_tile(group, b, half, tiles)
+                        side, o = b // half, b % half
+                        if rows == ROWS:
+                            many(
+                                words,
+                                row_scales,
+                                row_sums,
+                                codes,
+                                scales,
+                                t,
+                                r0,
+                                product[side],
+                                o,
+                                False,
+                            )
+                        else:
+                            for r in range(r0, r0 + rows):
+                                one(
+                                    words,
+                                    row_scales,
+                                    row_sums,
+                                    codes,
+                                    scales,
+                                    t,
+                                    r,
+                                    product[side],
+                                    o,
+                                    False,
+                                )
+                        continue
+                    t = group * group_tiles + b
+                    if rows == ROWS:
+                        many(words, row_scales, row_sums, codes, scales, t, r0, out, t, add)
+                    else:
+                        for r in range(r0, r0 + rows):
+                            one(words, row_scales, row_sums, codes, scales, t, r, out, t, add)
+                if silu:
+                    silu_rows(product, r0, rows, out, group * half, silu_scratch, gelu)
+
+    return gemm
+
+
+# -- byte products ------------------------------------------------------------------------
+
+
+def _int_lanes(t: Any) -> bool:
+    return isinstance(t, types.Array) and t.dtype == types.int32 and t.ndim == 1
+
+
+def _lanes_pointer(context: Any, builder: Any, array_type: Any, array: Any) -> Any:
+    data = context.make_array(array_type)(context, builder, array).data
+    return builder.bitcast(data, ir.VectorType(ir.IntType(32), LANES).as_pointer())
+
+
+def _spread(context: Any, builder: Any, word: Any, word_type: Any) -> Any:
+    """A 32-bit word in every lane of 16, as 64 bytes."""
+    i32 = ir.IntType(32)
+    vector = ir.VectorType(i32, LANES)
+    one = context.cast(builder, word, word_type, types.int32)
+    lane0 = builder.insert_element(ir.Constant(vector, ir.Undefined), one, i32(0))
+    spread = builder.shuffle_vector(
+        lane0, ir.Constant(vector, ir.Undefined), ir.Constant(vector, [0] * LANES)
+    )
+    return builder.bitcast(spread, ir.VectorType(ir.IntType(8), 4 * LANES))
+
+
+def _madd(builder: Any, acc: Any, unsigned: Any, signed: Any) -> Any:
+    """acc (16 int32 lanes) + the sums of each lane's 4 products of unsigned bytes by signed
+    bytes (64 each): vpdpbusd with AVX-512 VNNI, else vpmaddubsw and vpmaddwd by ones on
+    AVX2's 256-bit halves, else plain integer vector code."""
+    i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+    vector = ir.VectorType(i32, LANES)
+    if VNNI:
+        function = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vector, [vector] * 3), "llvm.x86.avx512.vpdpbusd.512"
+        )
+        return builder.call(
+            function, [acc, builder.bitcast(unsigned, vector), builder.bitcast(signed, vector)]
+        )
+    if not AVX2:
+        wide = ir.VectorType(i32, 4 * LANES)
+        products = builder.mul(builder.zext(unsigned, wide), builder.sext(signed, wide))
+        for i in range(4):
+            part = ir.Constant(vector, list(range(i, 4 * LANES, 4)))
+            acc = builder.add(acc, builder.shuffle_vector(products, products, part))
+        return acc
+    half_bytes, half_words = ir.VectorType(i8, 2 * LANES), ir.VectorType(i16, LANES)
+    half_ints = ir.VectorType(i32, LANES // 2)
+    pairs = cgutils.get_or_insert_function(
+        builder.module,
+        ir.FunctionType(half_words, [half_bytes, half_bytes]),
+        "llvm.x86.avx2.pmadd.ub.sw",
+    )
+    quads = cgutils.get_or_insert_function(
+        builder.module,
+        ir.FunctionType(half_ints, [half_words, half_words]),
+        "llvm.x86.avx2.pmadd.wd",
+    )
+    ones = ir.Constant(half_words, [1] * LANES)
+    halves = []
+    for h in range(2):
+        part = ir.Constant(
+            ir.VectorType(i32, 2 * LANES), list(range(h * 2 * LANES, (h + 1) * 2 * LANES))
+        )
+        products = builder.call(
+            pairs,
+            [
+                builder.shuffle_vector(unsigned, unsigned, part),
+                builder.shuffle_vector(signed, signed, part),
+            ],
+        )
+        halves.append(builder.call(quads, [products, ones]))
+    whole = builder.shuffle_vector(halves[0], halves[1], ir.Constant(vector, list(range(LANES))))
+    return builder.add(acc, whole)
+
+
+def _with_signs(builder: Any, row: Any, q: Any) -> Any:
+    """row's bytes with the signs of q's (0 where q is 0): vpsignb on AVX2's halves."""
+    zero = ir.Constant(q.type, None)
+    if VNNI or not AVX2:
+        negative = builder.icmp_signed("<", q, zero)
+        kept = builder.select(builder.icmp_signed("==", q, zero), zero, row)
+        return builder.select(negative, builder.sub(zero, row), kept)
+    half = ir.VectorType(ir.IntType(8), 2 * LANES)
+    sign = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(half, [half, half]), "llvm.x86.avx2.psign.b"
+    )
+    i32 = ir.IntType(32)
+    parts = []
+    for h in range(2):
+        part = ir.Constant(
+            ir.VectorType(i32, 2 * LANES), list(range(h * 2 * LANES, (h + 1) * 2 * LANES))
+        )
+        parts.append(
+            builder.call(
+                sign, [builder.shuffle_vector(row, row, part), builder.shuffle_vector(q, q, part)]
+            )
+        )
+    return builder.shuffle_vector(
+        parts[0], parts[1], ir.Constant(ir.VectorType(i32, 4 * LANES), list(range(4 * LANES)))
+    )
+
+
+@intrinsic
+def dot_signed(typingctx: Any, sums: Any, word: Any, codes: Any) -> Any:
+    """sums[l] += the sum over i < 4 of byte i of `word` times byte i of codes[l], both
+    signed (16 int32 lanes l): the codes' magnitudes (unsigned: -128 gives 128) times the
+    word's bytes with the codes' signs (0 where a code is 0)."""
+    if not (_int_lanes(sums) and isinstance(word, types.Integer) and _int_lanes(codes)):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        bytes_type = ir.VectorType(ir.IntType(8), 4 * LANES)
+        zero = ir.Constant(bytes_type, None)
+        target = _lanes_pointer(context, builder, signature.args[0], args[0])
+        row = _spread(context, builder, args[1], signature.args[1])
+        pointer = _lanes_pointer(context, builder, signature.args[2], args[2])
+        q = builder.bitcast(builder.load(pointer, align=4), bytes_type)
+        negative = builder.icmp_signed("<", q, zero)
+        magnitude = builder.select(negative, builder.sub(zero, q), q)
+        signed_row = _with_signs(builder, row, q)
+        acc = builder.load(target, align=4)
+        builder.store(_madd(builder, acc, magnitude, signed_row), target, align=4)
+        return context.get_dummy_value()
+
+    return types.void(sums, word, codes), codegen
+
+
+@intrinsic
+def dot_nibbles(typingctx: Any, sums: Any, low: Any, high: Any, codes: Any) -> Any:
+    """sums[l] += the sum over i < 4 of (byte i of codes[l] & 15) times byte i of `low`,
+    and of (byte i >> 4) times byte i of `high` (4-bit codes unsigned, words signed)."""
+    if not (
+        _int_lanes(sums)
+        and isinstance(low, types.Integer)
+        and isinstance(high, types.Integer)
+        and _int_lanes(codes)
+    ):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        bytes_type = ir.VectorType(ir.IntType(8), 4 * LANES)
+        target = _lanes_pointer(context, builder, signature.args[0], args[0])
+        pointer = _lanes_pointer(context, builder, signature.args[3], args[3])
+        q = builder.bitcast(builder.load(pointer, align=4), bytes_type)
+        mask = ir.Constant(bytes_type, [15] * (4 * LANES))
+        low_codes = builder.and_(q, mask)
+        high_codes = builder.lshr(q, ir.Constant(bytes_type, [4] * (4 * LANES)))
+        acc = builder.load(target, align=4)
+        acc = _madd(builder, acc, low_codes, _spread(context, builder, args[1], signature.args[1]))
+        acc = _madd(builder, acc, high_codes, _spread(context, builder, args[2], signature.args[2]))
+        builder.store(acc, target, align=4)
+        return context.get_dummy_value()
+
+    return types.void(sums, low, high, codes), codegen
