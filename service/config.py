@@ -34,6 +34,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     allocation_policy: AllocationPolicy = "paged"
     num_threads: int | None = None  # CPU threads; None = OMP_NUM_THREADS, else the CPU quota
+    # How the CPU backend multiplies a quantised model's (a GGUF file's) weights: "int8"
+    # quantises each GEMM's input rows to int8 per block of 32 and multiplies the file's
+    # codes in integers, as llama.cpp does (kernels/cpu/int8_gemm.py, where the CPU has
+    # AVX2 or AVX-512 VNNI); "fp32" multiplies the dequantised weights in fp32, the exact
+    # products of the model's fp32 forward.
+    gguf_activations: str = "int8"
     # N-gram speculative decoding (see spec_decode.py): up to this many draft tokens per
     # decode, looked up in the sequence's own tokens; 0 turns it off.
     num_speculative_tokens: int = 0
@@ -105,12 +111,19 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be one of auto, float32, float16, bfloat16, got {self.dtype!r}"
             )
+        if self.gguf_activations not in GGUF_ACTIVATIONS:
+            raise ValueError(
+                f"gguf_activations must be int8 or fp32, got {self.gguf_activations!r}"
+            )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
 
     @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
+
+
+GGUF_ACTIVATIONS = ("int8", "fp32")
 
 
 def _positive(name: str, value: int) -> None:
@@ -199,6 +212,14 @@ def add_engine_arguments(parser) -> None:
         default=None,
         help="CPU threads of the forward pass (default: OMP_NUM_THREADS if set, else the "
         "CPUs visible, capped at the container's CPU quota)",
+    )
+    g.add_argument(
+        "--gguf-activations",
+        default=d.gguf_activations,
+        choices=list(GGUF_ACTIVATIONS),
+        help="CPU: how a quantised model's GEMMs multiply; int8: its input rows quantised "
+        "to int8 per block of 32, times the file's codes in integers (as llama.cpp); fp32: "
+        "the dequantised weights in fp32, exact",
     )
     g.add_argument(
         "--num-speculative-tokens",

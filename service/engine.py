@@ -149,7 +149,12 @@ class LLMEngine:
         # without its dense GEMM weights (`model_runner.served_from_store`).
         defer = None
         if self.device.type == "cpu":
-            defer = partial(served_from_store, block_size=config.block_size, dtype=dtype)
+            defer = partial(
+                served_from_store,
+                block_size=config.block_size,
+                dtype=dtype,
+                gguf_activations=config.gguf_activations,
+            )
         loaded = load_model(
             config.model,
             self.device,

@@ -128,19 +128,25 @@ def child_compile_fits(config: EngineConfig, block_bytes: int, model: ModelConfi
 
 
 def kernel_set_identity(
-    config: ModelConfig, path: Path, block_size: int, dtype: torch.dtype
+    config: ModelConfig,
+    path: Path,
+    block_size: int,
+    dtype: torch.dtype,
+    gguf_activations: str = "int8",
 ) -> str:
     """What picks the CPU kernels' variants for the model in `path`: its shapes and
-    features (not its name or context length), the dtype, the block size, and its
-    weights, by their files' names, sizes and times (not by where the directory lies,
-    which a cache moves)."""
+    features (not its name or context length), the dtype, the block size, how quantised
+    weights multiply (`EngineConfig.gguf_activations`), and its weights, by their files'
+    names, sizes and times (not by where the directory lies, which a cache moves)."""
     fields = dataclasses.asdict(config)
     for unrelated in ("name", "eos_token_ids"):
         fields.pop(unrelated, None)
     weights = sorted(
         f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in path.glob("*.safetensors")
     )
-    return repr((sorted(fields.items()), str(dtype), block_size, path.name, weights))
+    return repr(
+        (sorted(fields.items()), str(dtype), block_size, path.name, weights, gguf_activations)
+    )
 
 
 def weights_store(kernel_set: str) -> Path | None:
@@ -150,14 +156,20 @@ def weights_store(kernel_set: str) -> Path | None:
     return cpu.weights_file(kernel_set, cache_dir() / "cpu-weights")
 
 
-def served_from_store(config: ModelConfig, path: Path, block_size: int, dtype: torch.dtype) -> bool:
+def served_from_store(
+    config: ModelConfig,
+    path: Path,
+    block_size: int,
+    dtype: torch.dtype,
+    gguf_activations: str = "int8",
+) -> bool:
     """Whether an earlier start left this model's compiled kernels and built weights, so
     that the CPU executor serves without the model's dense GEMM weights."""
     from pagedinfer.kernels import cpu
 
     if not cpu.supports(config):
         return False
-    kernel_set = kernel_set_identity(config, path, block_size, dtype)
+    kernel_set = kernel_set_identity(config, path, block_size, dtype, gguf_activations)
     store = weights_store(kernel_set)
     return store is not None and store.is_file() and cpu.compiled_before(kernel_set)
 
@@ -203,7 +215,10 @@ class ModelRunner:
         # Where the loader deferred the dense GEMM weights (`served_from_store`), they are
         # read only if the executor does not serve after all.
         self.executor = None
-        self._kernel_set = kernel_set_identity(cfg, loaded.path, config.block_size, loaded_dtype)
+        self._kernel_set = kernel_set_identity(
+            cfg, loaded.path, config.block_size, loaded_dtype, config.gguf_activations
+        )
+        int8_products = config.gguf_activations == "int8"
         if device.type == "cpu":
             from pagedinfer.kernels import cpu
 
@@ -231,6 +246,7 @@ class ModelRunner:
                 store=store,
                 compile_first=first,
                 bf16_products=self.bf16_products,
+                int8_products=int8_products,
             )
             if first and not (self.executor is not None and self.executor.active):
                 log.warning("CPU executor: compiling failed; the torch forward serves")
@@ -247,6 +263,7 @@ class ModelRunner:
                     background=background,
                     store=store,
                     bf16_products=self.bf16_products,
+                    int8_products=int8_products,
                 )
             if self.executor is not None and self.executor.active:
                 cpu.record_compiled(self._kernel_set)

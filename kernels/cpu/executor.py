@@ -164,12 +164,16 @@ class CpuExecutor:
         compiled: bool,
         store: Path | None = None,
         bf16_products: bool = False,
+        int8_products: bool = False,
     ) -> None:
         self.model = model
         self.store = store  # where the built grids are kept between starts (`weight_store`)
         # The layers' GEMMs multiply bf16 weights (`bf16_layer_kind`): the model is served
         # with --dtype bfloat16, its weights rounded to bf16 values in fp32.
         self.bf16_products = bf16_products
+        # The layers' GEMMs over a quantisation grid multiply its codes by their input rows
+        # quantised to int8 (`int8_layers`), where this CPU has the instructions for it.
+        self.int8_products = int8_products
         self.config = model.config
         # The MLP's activation is GELU's tanh approximation (Gemma 3's), not SiLU.
         self.gelu = "gelu_tanh_glu" in self.config.features()
@@ -207,6 +211,8 @@ class CpuExecutor:
         grids = self._grids() if self.mode == "grid" else None
         if grids is not None:
             layer_grids, lm_head = grids
+            if self.int8_products:
+                layer_grids = int8_layers(layer_grids)
             kinds = {g.kind for g in (*layer_grids[0], lm_head)}
             self.mode = "rebuilt" if kinds <= set(grid_gemm.DENSE) else "grid"
             self._build_grids(layer_grids, lm_head)
@@ -972,6 +978,25 @@ def choose_grids(
     return layers, chosen[4][0]
 
 
+def int8_layers(layer_grids: list[list[Any]]) -> list[list[Any]]:
+    """Each layer's grids in the layout of integer products with int8 rows where their
+    kind takes it (`int8_gemm.to_int8`: a GGUF file's 4-bit, 5-bit, 6-bit and 8-bit
+    codes), the others as they are; all as they are on a CPU without AVX2 or AVX-512 VNNI.
+    The LM head keeps its grid: `greedy_argmax` picks greedy tokens from its fp32
+    products, with integer products of its own."""
+    from pagedinfer.kernels.cpu import int8_gemm
+
+    if not int8_gemm.fast():
+        return layer_grids
+    converted = [[int8_gemm.to_int8(g) or g for g in layer] for layer in layer_grids]
+    described = [
+        f"{position} " + "/".join(dict.fromkeys(layer[i].kind for layer in converted))
+        for i, position in enumerate(POSITIONS[:4])
+    ]
+    log.info("GEMM layers with int8 rows: %s", ", ".join(described))
+    return converted
+
+
 def gemm_shapes(model: nn.Module) -> list[list[tuple[int, int]]]:
     """Each layer's GEMM weight shapes (out, in) by position, the LM head's last: what a
     weight store must hold (`weight_store.load`)."""
@@ -1054,6 +1079,7 @@ def prepare(
     store: Path | None = None,
     compile_first: bool = False,
     bf16_products: bool = False,
+    int8_products: bool = False,
 ) -> CpuExecutor | None:
     """The executor for `model` on this CPU, or None where the model's own torch forward
     must serve it: a feature the executor lacks, weights off the CPU, or no faster GEMMs
@@ -1074,6 +1100,9 @@ def prepare(
     bf16_products: the layers' GEMMs multiply in bf16 (the model served with --dtype
     bfloat16 on a CPU with AVX512-BF16, its fp32 weights rounded to bf16 values;
     `bf16_products_serve` says where this applies).
+    int8_products: the layers' GEMMs over a quantised model's codes multiply them by
+    their input rows quantised to int8 per block of 32 (`int8_layers`), as llama.cpp
+    does; without it, the exact fp32 products of the dequantised weights.
     """
     missing = unsupported_features(model.config)
     if missing:
@@ -1086,7 +1115,9 @@ def prepare(
         return None
     if bf16_products and choice != ("grid", True):
         raise ValueError("bf16 products need the compiled kernels and no bias past q/k/v's")
-    executor = CpuExecutor(model, *choice, store=store, bf16_products=bf16_products)
+    executor = CpuExecutor(
+        model, *choice, store=store, bf16_products=bf16_products, int8_products=int8_products
+    )
     if background:
         threading.Thread(
             target=executor.build_and_warm_up,

@@ -450,7 +450,7 @@ def embedded(tiny):  # `tiny` keeps the torch kernels on: nothing compiles
 
     from pagedinfer.service.loader import ensure_default_model
 
-    llm = LLM(max_model_len=256, num_gpu_blocks=64, dtype="float32")
+    llm = LLM(max_model_len=256, num_gpu_blocks=64, dtype="float32", gguf_activations="fp32")
     hf = AutoModelForCausalLM.from_pretrained(ensure_default_model(), dtype=torch.float32)
     return llm, hf.eval()
 

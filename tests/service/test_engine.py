@@ -55,7 +55,13 @@ def hf_reference():
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(max_model_len=512, kv_cache_memory=256 * 2**20, max_num_batched_tokens=256)
+    # fp32 products: the exact logits transformers computes (int8 rows differ slightly)
+    return LLM(
+        max_model_len=512,
+        kv_cache_memory=256 * 2**20,
+        max_num_batched_tokens=256,
+        gguf_activations="fp32",
+    )
 
 
 def test_batched_greedy_matches_hugging_face(llm, hf_reference):
@@ -72,7 +78,9 @@ def test_batched_greedy_matches_hugging_face(llm, hf_reference):
 
 def test_preemption_keeps_greedy_output_identical(hf_reference):
     # 12 blocks of 16 tokens cannot hold every prompt at once: the scheduler must preempt.
-    small = LLM(max_model_len=128, num_gpu_blocks=12, max_num_batched_tokens=64)
+    small = LLM(
+        max_model_len=128, num_gpu_blocks=12, max_num_batched_tokens=64, gguf_activations="fp32"
+    )
     outputs = small.generate(PROMPTS, GREEDY)
     stats = small.engine.stats()
     assert stats.num_preemptions > 0
@@ -250,3 +258,21 @@ def test_request_ids_are_unique_across_every_sample(llm):
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=1), request_id="x#1")
     while engine.has_unfinished():
         engine.step()
+
+
+def test_int8_products_answer_a_chat_prompt_sensibly() -> None:
+    """By default the embedded model's layers (a Q4_1 file's codes) multiply int8 rows in
+    integers, on the fused step and the layer-by-layer path alike; greedy decoding of a
+    chat prompt still answers it."""
+    from pagedinfer.kernels.cpu import grid_gemm, int8_gemm
+
+    llm = LLM(max_model_len=256, num_gpu_blocks=32)
+    executor = llm.engine.runner.executor
+    if executor is None or not executor.active or not int8_gemm.fast():
+        pytest.skip("the integer products run on the compiled kernels of an AVX2 CPU")
+    assert llm.engine.config.gguf_activations == "int8"
+    assert all(kind in grid_gemm.DOTS for kind in executor.fused.kinds[:4])
+    assert all(layer.qkv.weight.kind in grid_gemm.DOTS for layer in executor.layers)
+    chat = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    (out,) = llm.generate([chat], SamplingParams(max_tokens=16, temperature=0))
+    assert "Paris" in out.outputs[0].text

@@ -53,7 +53,9 @@ def test_prompt_logprobs_match_transformers_through_chunks_cache_and_preemption(
     ids, _ = reference
     # 32-token steps prefill the prompt in chunks; 20 blocks cannot hold four of these
     # requests at once, so some are preempted and compute their prompts again.
-    llm = LLM(max_model_len=256, max_num_batched_tokens=32, num_gpu_blocks=20)
+    llm = LLM(
+        max_model_len=256, max_num_batched_tokens=32, num_gpu_blocks=20, gguf_activations="fp32"
+    )
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, prompt_logprobs=2)
     (alone,) = llm.generate([ids], params)
     check_against(reference, alone.prompt_logprobs, 2)

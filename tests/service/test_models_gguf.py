@@ -481,3 +481,49 @@ def test_a_gguf_file_with_a_type_we_do_not_read_is_refused_before_converting(
         ValueError, match=rf"'blk.0.ffn_down.weight' has GGUF type {type_name}.*supported: F32"
     ):
         load_model(str(path), CPU, torch.float32)
+
+
+@pytest.mark.parametrize("plan_name", ["grid_types", "k_quants", "q4_k_m_like"])
+def test_int8_products_run_the_files_codes_and_give_logits_close_to_fp32(
+    plan_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With int8 products every layer position on a grid runs the integer GEMM of its
+    codes (the LM head keeps its grid), in a prompt step and in decode steps, and the
+    logits stay within a few percent of the exact fp32 path's: the rows' rounding to
+    int8 and nothing more (a wrong scale or offset moves them by their whole size)."""
+    import copy
+
+    from paged_cache import BLOCK_SIZE
+
+    from pagedinfer.kernels import cpu, torch_ops
+    from pagedinfer.kernels.cpu import grid_gemm
+
+    if not torch_ops.compiled_kernels():
+        pytest.skip("the grids run on the compiled kernels")
+    monkeypatch.setenv("PAGEDINFER_CACHE_DIR", str(tmp_path / "cache"))
+    loaded = load_model(str(quantised_llama(tmp_path, plan_name)), CPU, torch.float32)
+    exact = cpu.prepare(copy.deepcopy(loaded.model), BLOCK_SIZE)
+    ints = cpu.prepare(loaded.model, BLOCK_SIZE, int8_products=True)
+    assert ints is not None and ints.active and ints.mode == "grid"
+    dots = {
+        grid_gemm.AFFINE4: grid_gemm.DOT4,
+        grid_gemm.SCALED8: grid_gemm.DOT8,
+        grid_gemm.FINE8: grid_gemm.DOT8_FINE,
+        grid_gemm.FINE6: grid_gemm.DOT8_FINE,
+    }
+    for position in range(4):
+        for kind, int_kind in (
+            (exact.fused.kinds[position], ints.fused.kinds[position]),
+            (exact.fused.second_kinds[position], ints.fused.second_kinds[position]),
+        ):
+            assert int_kind == dots.get(kind, kind), (position, kind, int_kind)
+    assert ints.fused.kinds[4] == exact.fused.kinds[4]
+    assert any(k in grid_gemm.DOTS for k in ints.fused.kinds)
+    prompt = torch.randint(3, 49152, (21,), generator=torch.Generator().manual_seed(2)).tolist()
+    steps = [(0, prompt, 0), (0, [7], 21), (0, [11], 22)]
+    caches = [PagedCache(loaded.config, 1, 32) for _ in range(2)]
+    for chunk in steps:
+        (want,) = caches[0].step(exact, [chunk])
+        (got,) = caches[1].step(ints, [chunk])
+        error = (got - want).abs().max() / want.abs().max()
+        assert error < 0.05, (chunk[2], float(error))
