@@ -278,29 +278,34 @@ def _spread(context: Any, builder: Any, word: Any, word_type: Any) -> Any:
     return builder.bitcast(spread, ir.VectorType(ir.IntType(8), 4 * LANES))
 
 
-def _madd(builder: Any, acc: Any, unsigned: Any, signed: Any) -> Any:
+def _madd(builder: Any, acc: Any, *pairs: tuple[Any, Any]) -> Any:
     """acc (16 int32 lanes) + the sums of each lane's 4 products of unsigned bytes by signed
-    bytes (64 each): vpdpbusd with AVX-512 VNNI, else vpmaddubsw and vpmaddwd by ones on
-    AVX2's 256-bit halves, else plain integer vector code."""
+    bytes (64 each) of every pair (unsigned, signed): vpdpbusd with AVX-512 VNNI, else
+    vpmaddubsw and vpmaddwd by ones on AVX2's 256-bit halves (two pairs' 16-bit sums added
+    before vpmaddwd: the callers' pairs of 4-bit codes, 4 * 15 * 127 a lane pair at most),
+    else plain integer vector code."""
     i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
     vector = ir.VectorType(i32, LANES)
     if VNNI:
         function = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(vector, [vector] * 3), "llvm.x86.avx512.vpdpbusd.512"
         )
-        return builder.call(
-            function, [acc, builder.bitcast(unsigned, vector), builder.bitcast(signed, vector)]
-        )
+        for unsigned, signed in pairs:
+            acc = builder.call(
+                function, [acc, builder.bitcast(unsigned, vector), builder.bitcast(signed, vector)]
+            )
+        return acc
     if not AVX2:
         wide = ir.VectorType(i32, 4 * LANES)
-        products = builder.mul(builder.zext(unsigned, wide), builder.sext(signed, wide))
-        for i in range(4):
-            part = ir.Constant(vector, list(range(i, 4 * LANES, 4)))
-            acc = builder.add(acc, builder.shuffle_vector(products, products, part))
+        for unsigned, signed in pairs:
+            products = builder.mul(builder.zext(unsigned, wide), builder.sext(signed, wide))
+            for i in range(4):
+                part = ir.Constant(vector, list(range(i, 4 * LANES, 4)))
+                acc = builder.add(acc, builder.shuffle_vector(products, products, part))
         return acc
     half_bytes, half_words = ir.VectorType(i8, 2 * LANES), ir.VectorType(i16, LANES)
     half_ints = ir.VectorType(i32, LANES // 2)
-    pairs = cgutils.get_or_insert_function(
+    pair_sums = cgutils.get_or_insert_function(
         builder.module,
         ir.FunctionType(half_words, [half_bytes, half_bytes]),
         "llvm.x86.avx2.pmadd.ub.sw",
@@ -316,13 +321,16 @@ def _madd(builder: Any, acc: Any, unsigned: Any, signed: Any) -> Any:
         part = ir.Constant(
             ir.VectorType(i32, 2 * LANES), list(range(h * 2 * LANES, (h + 1) * 2 * LANES))
         )
-        products = builder.call(
-            pairs,
-            [
-                builder.shuffle_vector(unsigned, unsigned, part),
-                builder.shuffle_vector(signed, signed, part),
-            ],
-        )
+        products = None
+        for unsigned, signed in pairs:
+            product = builder.call(
+                pair_sums,
+                [
+                    builder.shuffle_vector(unsigned, unsigned, part),
+                    builder.shuffle_vector(signed, signed, part),
+                ],
+            )
+            products = product if products is None else builder.add(products, product)
         halves.append(builder.call(quads, [products, ones]))
     whole = builder.shuffle_vector(halves[0], halves[1], ir.Constant(vector, list(range(LANES))))
     return builder.add(acc, whole)
@@ -374,7 +382,7 @@ def dot_signed(typingctx: Any, sums: Any, word: Any, codes: Any) -> Any:
         magnitude = builder.select(negative, builder.sub(zero, q), q)
         signed_row = _with_signs(builder, row, q)
         acc = builder.load(target, align=4)
-        builder.store(_madd(builder, acc, magnitude, signed_row), target, align=4)
+        builder.store(_madd(builder, acc, (magnitude, signed_row)), target, align=4)
         return context.get_dummy_value()
 
     return types.void(sums, word, codes), codegen
@@ -401,8 +409,9 @@ def dot_nibbles(typingctx: Any, sums: Any, low: Any, high: Any, codes: Any) -> A
         low_codes = builder.and_(q, mask)
         high_codes = builder.lshr(q, ir.Constant(bytes_type, [4] * (4 * LANES)))
         acc = builder.load(target, align=4)
-        acc = _madd(builder, acc, low_codes, _spread(context, builder, args[1], signature.args[1]))
-        acc = _madd(builder, acc, high_codes, _spread(context, builder, args[2], signature.args[2]))
+        low_row = _spread(context, builder, args[1], signature.args[1])
+        high_row = _spread(context, builder, args[2], signature.args[2])
+        acc = _madd(builder, acc, (low_codes, low_row), (high_codes, high_row))
         builder.store(acc, target, align=4)
         return context.get_dummy_value()
 
