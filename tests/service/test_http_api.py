@@ -117,6 +117,7 @@ def server(tmp_path_factory):
         tmp_path_factory.mktemp("http"),
         "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", MODEL, ALIAS,
         "--grace-period", str(GRACE_PERIOD_S),
+        "--gguf-activations", "fp32",  # the exact logprobs transformers computes
     )  # fmt: skip
     yield server
     stop_server(server)

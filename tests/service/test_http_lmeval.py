@@ -36,7 +36,8 @@ def task_docs(name: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("lmeval-server"))
+    # fp32 products: the loglikelihoods are compared with transformers' forward
+    server = start_server(tmp_path_factory.mktemp("lmeval-server"), "--gguf-activations", "fp32")
     yield server
     stop_server(server)
 
