@@ -57,7 +57,7 @@ from throughput import matmul_gflops, read_bandwidth, resolve_model
 from workloads.chat import CHAT_PROMPTS, load_chat_prompts, render
 
 from pagedinfer.kernels import torch_ops
-from pagedinfer.service.config import EngineConfig
+from pagedinfer.service.config import GGUF_ACTIVATIONS, EngineConfig
 from pagedinfer.service.engine import LLMEngine
 from pagedinfer.service.gguf_convert import read_header
 from pagedinfer.service.sampling_params import SamplingParams
@@ -171,6 +171,7 @@ def run_pagedinfer(
         dtype=pair.dtype,
         num_threads=args.threads,
         max_model_len=args.max_model_len,
+        gguf_activations=args.gguf_activations,
         kv_cache_memory=32 * 2**20,
         # Every run computes its prompt, as the first serving of it would.
         enable_prefix_caching=False,
@@ -183,6 +184,7 @@ def run_pagedinfer(
     result: dict[str, Any] = {
         "weights": gguf.name if gguf else Path(pair.model).name,
         "cpu_executor": executor.mode if active else None,
+        "gguf_activations": config.gguf_activations,
         # What the fused step reads a step: the weights in the executor's own layouts.
         "executor_weight_bytes": executor.fused.nbytes if active and executor.fused else None,
         **{key: round(statistics.median(r[key] for r in runs), 4) for key in runs[0]},
@@ -416,6 +418,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.ArgumentParser, 
     ap.add_argument("--prompt-index", type=int, default=0, help="which chat prompt")
     ap.add_argument("--chat-prompts", type=Path, default=CHAT_PROMPTS)
     ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument(
+        "--gguf-activations",
+        choices=GGUF_ACTIVATIONS,
+        default=EngineConfig.gguf_activations,
+        help="how pagedinfer multiplies a GGUF file's codes: fp32 (exact) or int8 (as llama.cpp)",
+    )
     ap.add_argument("--gguf-dir", type=Path, default=DEFAULT_GGUF_DIR)
     ap.add_argument("--llamacpp-dir", type=Path, default=run_llamacpp.DEFAULT_DIR)
     ap.add_argument("--no-server", dest="server", action="store_false", help="skip llama-server")

@@ -41,7 +41,7 @@ from peers.run_vllm import DEFAULT_VENV as DEFAULT_VLLM_VENV
 from workloads.chat import CHAT_PROMPTS, chat_workload
 from workloads.extraction import extraction_workload
 
-from pagedinfer.service.config import EngineConfig
+from pagedinfer.service.config import GGUF_ACTIVATIONS, EngineConfig
 from pagedinfer.service.engine import LLMEngine
 from pagedinfer.service.loader import load_model
 from pagedinfer.service.sampling_params import SamplingParams
@@ -720,6 +720,12 @@ def main(argv: list[str] | None = None) -> int:
         "from its bf16 weights, vLLM in bf16); default --dtype",
     )
     ap.add_argument(
+        "--gguf-activations",
+        choices=GGUF_ACTIVATIONS,
+        default=EngineConfig.gguf_activations,
+        help="how pagedinfer multiplies a GGUF file's codes: fp32 (exact) or int8 (as llama.cpp)",
+    )
+    ap.add_argument(
         "--plot", type=Path, default=Path(__file__).parent / "results" / "throughput.png"
     )
     ap.add_argument(
@@ -768,6 +774,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_cache_memory=args.kv_cache_memory,
         max_num_batched_tokens=args.max_num_batched_tokens,
         dtype=args.dtype,
+        gguf_activations=args.gguf_activations,
     )
     spec_config = EngineConfig(
         **{**base.__dict__, "num_speculative_tokens": args.num_speculative_tokens}
@@ -811,6 +818,7 @@ def main(argv: list[str] | None = None) -> int:
             # OpenMP's spin after each parallel region, for every system alike.
             "openmp_spin": openmp_spin(),
             "dtype": args.dtype,
+            "gguf_activations": args.gguf_activations,
             "matmul_gflops": round(gflops, 1),
             "matmul_gflops_fp32": round(gflops_fp32, 1),
             "params": params,

@@ -38,8 +38,9 @@ class EngineConfig:
     # quantises each GEMM's input rows to int8 per block of 32 and multiplies the file's
     # codes in integers, as llama.cpp does (kernels/cpu/int8_gemm.py, where the CPU has
     # AVX2 or AVX-512 VNNI); "fp32" multiplies the dequantised weights in fp32, the exact
-    # products of the model's fp32 forward.
-    gguf_activations: str = "int8"
+    # products of the model's fp32 forward (the default: int8 rounding can flip a small
+    # model's near ties, as it flips the embedded model's first answer to a README example).
+    gguf_activations: str = "fp32"
     # N-gram speculative decoding (see spec_decode.py): up to this many draft tokens per
     # decode, looked up in the sequence's own tokens; 0 turns it off.
     num_speculative_tokens: int = 0
@@ -217,9 +218,9 @@ def add_engine_arguments(parser) -> None:
         "--gguf-activations",
         default=d.gguf_activations,
         choices=list(GGUF_ACTIVATIONS),
-        help="CPU: how a quantised model's GEMMs multiply; int8: its input rows quantised "
-        "to int8 per block of 32, times the file's codes in integers (as llama.cpp); fp32: "
-        "the dequantised weights in fp32, exact",
+        help="CPU: how a quantised model's GEMMs multiply; fp32: the dequantised weights in "
+        "fp32, exact; int8: its input rows quantised to int8 per block of 32, times the "
+        "file's codes in integers (as llama.cpp; faster, the logits differ slightly)",
     )
     g.add_argument(
         "--num-speculative-tokens",

@@ -132,7 +132,7 @@ def kernel_set_identity(
     path: Path,
     block_size: int,
     dtype: torch.dtype,
-    gguf_activations: str = "int8",
+    gguf_activations: str = "fp32",
 ) -> str:
     """What picks the CPU kernels' variants for the model in `path`: its shapes and
     features (not its name or context length), the dtype, the block size, how quantised
@@ -161,7 +161,7 @@ def served_from_store(
     path: Path,
     block_size: int,
     dtype: torch.dtype,
-    gguf_activations: str = "int8",
+    gguf_activations: str = "fp32",
 ) -> bool:
     """Whether an earlier start left this model's compiled kernels and built weights, so
     that the CPU executor serves without the model's dense GEMM weights."""

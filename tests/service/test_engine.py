@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pagedinfer.service import LLM, SamplingParams
+from pagedinfer.service.config import EngineConfig
 from pagedinfer.service.loader import ensure_default_model
 
 NEW_TOKENS = 32
@@ -261,12 +262,13 @@ def test_request_ids_are_unique_across_every_sample(llm):
 
 
 def test_int8_products_answer_a_chat_prompt_sensibly() -> None:
-    """By default the embedded model's layers (a Q4_1 file's codes) multiply int8 rows in
-    integers, on the fused step and the layer-by-layer path alike; greedy decoding of a
-    chat prompt still answers it."""
+    """With int8 products the embedded model's layers (a Q4_1 file's codes) multiply int8
+    rows in integers, on the fused step and the layer-by-layer path alike; greedy decoding
+    of a chat prompt still answers it. The default stays the exact fp32 path."""
     from pagedinfer.kernels.cpu import grid_gemm, int8_gemm
 
-    llm = LLM(max_model_len=256, num_gpu_blocks=32)
+    assert EngineConfig().gguf_activations == "fp32"
+    llm = LLM(max_model_len=256, num_gpu_blocks=32, gguf_activations="int8")
     executor = llm.engine.runner.executor
     if executor is None or not executor.active or not int8_gemm.fast():
         pytest.skip("the integer products run on the compiled kernels of an AVX2 CPU")
