@@ -193,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
         "Face directory or .gguf file",
     )
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    ap.add_argument(
+        "--gguf-activations",
+        default=EngineConfig.gguf_activations,
+        choices=("fp32", "int8"),
+        help="a GGUF model's GEMM products, as the server's flag",
+    )
     args = ap.parse_args(argv)
     engine_model = throughput.resolve_model(args.model)[0]
     config = EngineConfig(
@@ -202,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_cache_memory=args.kv_cache_memory,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_speculative_tokens=args.num_speculative_tokens,
+        gguf_activations=args.gguf_activations,
     )
     engine = profiling_engine(config)
     vocab = engine.vocab_size
