@@ -984,11 +984,20 @@ def int8_layers(layer_grids: list[list[Any]]) -> list[list[Any]]:
     codes), the others as they are; all as they are on a CPU without AVX2 or AVX-512 VNNI.
     The LM head keeps its grid: `greedy_argmax` picks greedy tokens from its fp32
     products, with integer products of its own."""
-    from pagedinfer.kernels.cpu import int8_gemm
+    from pagedinfer.kernels.cpu import grid_gemm, int8_gemm
 
     if not int8_gemm.fast():
         return layer_grids
-    converted = [[int8_gemm.to_int8(g) or g for g in layer] for layer in layer_grids]
+    # A position keeps 6-bit codes only where every layer's fit (at most two kinds a
+    # position in the fused step).
+    six_bits = [
+        all(int8_gemm.six_bits_fit(g) for g in grids if g.kind in grid_gemm.FINE)
+        for grids in zip(*layer_grids, strict=True)
+    ]
+    converted = [
+        [int8_gemm.to_int8(g, six) or g for g, six in zip(layer, six_bits, strict=True)]
+        for layer in layer_grids
+    ]
     described = [
         f"{position} " + "/".join(dict.fromkeys(layer[i].kind for layer in converted))
         for i, position in enumerate(POSITIONS[:4])

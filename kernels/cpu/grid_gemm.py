@@ -148,9 +148,14 @@ DENSE = (REBUILT, BF16, FP16, BF16_DOT)  # the kinds of weights on no quantisati
 # so one broadcast word of a row's codes multiplies 16 outputs (codes int32 [tiles, K / 4,
 # 16]); DOT4 keeps two words' 4-bit codes in one, inputs 8h .. 8h + 3 in the low nibbles
 # and 8h + 4 .. 8h + 7 in the high (codes int32 [tiles, K / 8, 16]). Scales as the grid
-# they came from keeps them: per 32 inputs (DOT4, DOT8) or 16 (DOT8_FINE).
-DOT4, DOT8, DOT8_FINE = "dot4", "dot8", "dot8fine"
-DOTS = (DOT4, DOT8, DOT8_FINE)
+# they came from keeps them: per 32 inputs (DOT4, DOT8) or 16 (DOT8_FINE, DOT6_FINE).
+# DOT6_FINE keeps signed 6-bit codes (a Q6_K's) in 6 bits, offset to 0..63: per run of
+# 16 inputs, three words of a lane: two DOT4 words of their low 4 bits, then one of
+# their high 2 bits, byte i holding inputs i, i + 4, i + 8 and i + 12 from its low bits
+# up (codes int32 [tiles, K / 16 * 3, 16]).
+DOT4, DOT8, DOT8_FINE, DOT6_FINE = "dot4", "dot8", "dot8fine", "dot6fine"
+DOTS = (DOT4, DOT8, DOT8_FINE, DOT6_FINE)
+SIX_BIT_ZERO = 32  # DOT6_FINE's code for 0
 IN_PLACE = (REBUILT, BF16_DOT)  # the kinds whose codes the products read as they are
 # Whether this CPU multiplies bf16 pairs natively (vdpbf16ps); elsewhere BF16_DOT
 # kernels do the same two fused multiply-adds a pair in fp32, at half the speed.
@@ -233,6 +238,14 @@ def _codes(kind: str, codes: np.ndarray) -> np.ndarray:
         for h in range(3):
             q[:, :, 3] |= (rows3[:, :, h] & np.uint8(3)) << np.uint8(6 - 2 * h)
         return (q.view(np.int8) >> 2).reshape(tiles, rows // 3 * 4, LANES)
+    if kind == DOT6_FINE:  # [tiles, K / 16, 3 words, 16, 4 bytes]
+        tiles = codes.shape[0]
+        raw = codes.view(np.uint8).reshape(tiles, codes.shape[1] // 3, 3, LANES, 4)
+        low = np.stack((raw[:, :, :2] & 15, raw[:, :, :2] >> 4), axis=3)  # [.., 2, 2, 16, 4]
+        high = np.stack([(raw[:, :, 2] >> np.uint8(2 * j)) & 3 for j in range(4)], axis=2)
+        c = low.reshape(high.shape) | (high << np.uint8(4))  # [tiles, K / 16, 4, 16, 4]
+        q = c.transpose(0, 1, 2, 4, 3).astype(np.int16) - SIX_BIT_ZERO
+        return np.ascontiguousarray(q.astype(np.int8)).reshape(tiles, -1, LANES)
     if kind in DOTS:
         tiles = codes.shape[0]
         raw = codes.view(np.uint8).reshape(tiles, codes.shape[1], LANES, 4)
@@ -253,7 +266,7 @@ def _codes(kind: str, codes: np.ndarray) -> np.ndarray:
 
 def block_of(kind: str) -> int:
     """Inputs per scale of a grid of `kind`."""
-    return FINE_BLOCK if kind in (*FINE, DOT8_FINE) else GRID_BLOCK
+    return FINE_BLOCK if kind in (*FINE, DOT8_FINE, DOT6_FINE) else GRID_BLOCK
 
 
 def steps_of(kind: str) -> int:

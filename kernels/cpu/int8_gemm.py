@@ -20,7 +20,9 @@ rows' rounding to int8, so this is a setting (`--gguf-activations int8`), not th
 path. Each output's sum runs over the runs in K order, whatever the rows: a row gets the
 same bits in a step of any size and on either path (fused or layer by layer).
 
-Layouts: `grid_gemm.DOT4`, `DOT8` and `DOT8_FINE` (`to_int8` makes them of a grid).
+Layouts: `grid_gemm.DOT4`, `DOT8`, `DOT8_FINE` and `DOT6_FINE` (`to_int8` makes them of a
+grid). DOT6_FINE reads a Q6_K's codes in 6 bits, a quarter fewer bytes than 8: a decode
+step's GEMMs are bound by the bytes they read.
 """
 
 from __future__ import annotations
@@ -71,14 +73,41 @@ def fast() -> bool:
     return VNNI or AVX2
 
 
-def to_int8(grid: grid_gemm.GridWeight) -> grid_gemm.GridWeight | None:
+def six_bits_fit(grid: grid_gemm.GridWeight) -> bool:
+    """Whether a grid of runs of 16 has codes in -32..31 (a Q6_K's, or Q4_K rows beside
+    them), which DOT6_FINE keeps in 6 bits."""
+    if grid.kind == grid_gemm.FINE6:
+        return True
+    if grid.kind != grid_gemm.FINE8:
+        return False
+    codes = grid.codes.view(np.int8)
+    return bool(codes.min() >= -grid_gemm.SIX_BIT_ZERO and codes.max() < grid_gemm.SIX_BIT_ZERO)
+
+
+def to_int8(grid: grid_gemm.GridWeight, six_bits: bool = True) -> grid_gemm.GridWeight | None:
     """A grid's codes in the layout of its integer products (its scales as they are), or
-    None for a kind they do not take (a weight on no grid, or LEVELS4)."""
+    None for a kind they do not take (a weight on no grid, or LEVELS4). six_bits: runs of
+    16 whose codes fit 6 bits become DOT6_FINE (else DOT8_FINE)."""
     kind = _DOT_OF.get(grid.kind)
     if kind is None:
         return None
+    if kind == grid_gemm.DOT8_FINE and six_bits and six_bits_fit(grid):
+        kind = grid_gemm.DOT6_FINE
     q = grid_gemm._codes(grid.kind, grid.codes)  # int8 [tiles, K, 16]
     tiles, k = q.shape[:2]
+    if kind == grid_gemm.DOT6_FINE:
+        c = (q.astype(np.int16) + grid_gemm.SIX_BIT_ZERO).astype(np.uint8)
+        c = c.reshape(tiles, k // 16, 4, 4, LANES)  # [.., 4 inputs j, 4 bytes i, 16]: 4j + i
+        words = np.empty((tiles, k // 16, 3, 4, LANES), dtype=np.uint8)
+        low = c & np.uint8(15)
+        words[:, :, 0] = low[:, :, 0] | (low[:, :, 1] << np.uint8(4))
+        words[:, :, 1] = low[:, :, 2] | (low[:, :, 3] << np.uint8(4))
+        words[:, :, 2] = 0
+        for j in range(4):
+            words[:, :, 2] |= (c[:, :, j] >> np.uint8(4)) << np.uint8(2 * j)
+        codes = np.ascontiguousarray(words.transpose(0, 1, 2, 4, 3)).view(np.int32)[..., 0]
+        codes = codes.reshape(tiles, k // 16 * 3, LANES)
+        return grid_gemm.GridWeight(kind, grid.out_features, grid.in_features, codes, grid.scales)
     if kind == grid_gemm.DOT4:
         nibbles = q.view(np.uint8).reshape(tiles, k // 8, 2, 4, LANES)
         packed = nibbles[:, :, 0] | (nibbles[:, :, 1] << np.uint8(4))  # [tiles, K / 8, 4, 16]
@@ -115,23 +144,40 @@ def quantize_rows(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, sums: np
                 sums[r, h] = s * np.float32(total)
 
 
+@jit(nogil=True, error_model="numpy")
+def run_code_sums(codes: np.ndarray, sums: np.ndarray) -> None:
+    """sums [M, K / run]: each run's sum of the rows' int8 codes [M, K]."""
+    m, runs = sums.shape
+    run = codes.shape[1] // runs
+    for r in range(m):
+        for h in range(runs):
+            total = 0
+            for i in range(h * run, (h + 1) * run):
+                total += codes[r, i]
+            sums[r, h] = total
+
+
 @functools.cache
 def _pass(kind: str, rows: int, in_features: int) -> Callable[..., None]:
-    """one_pass(words, row_scales, row_sums, codes, scales, t, r0, out, o, add): rows r0
+    """one_pass(words, row_scales, row_sums, row_ints, codes, scales, t, r0, out, o, add):
+    rows r0
     .. r0 + rows - 1 times tile t of the weight into out[r, o] (+= with add): per run,
     the 32-bit sums of code products, times d * s, plus m * s * sum(a), in K order."""
     run = grid_gemm.block_of(kind)
     runs = in_features // run
     per_super = grid_gemm.SUPER_BLOCK // run  # runs a super-block of SUPER scales
     nibbles = kind == grid_gemm.DOT4
+    six = kind == grid_gemm.DOT6_FINE
     code_words = run // 8 if nibbles else run // 4  # a run's words of a lane's codes
     runs_per_block = BLOCK // run
+    zero = grid_gemm.SIX_BIT_ZERO
 
     @jit(nogil=True, error_model="numpy", inline="always")
     def one_pass(
         words: np.ndarray,
         row_scales: np.ndarray,
         row_sums: np.ndarray,
+        row_ints: np.ndarray,
         codes: np.ndarray,
         scales: np.ndarray,
         t: int,
@@ -149,16 +195,35 @@ def _pass(kind: str, rows: int, in_features: int) -> Callable[..., None]:
         for b in range(runs):
             grid_gemm._block_scales(dm, scales, (t * runs + b) * 2 * LANES, per_super)
             for r in range(rows):
+                # DOT6_FINE's codes are offset by `zero`: their products start at -zero
+                # times the run's sum of row codes, which leaves q . a exactly.
+                start = -zero * row_ints[r0 + r, b] if six else 0
                 for lane in range(LANES):
-                    sums[r, lane] = 0
-            for g in range(b * code_words, (b + 1) * code_words):
+                    sums[r, lane] = start
+            if six:
                 for r in range(rows):
-                    if nibbles:
-                        dot_nibbles(
-                            sums[r], words[r0 + r, 2 * g], words[r0 + r, 2 * g + 1], codes[t, g]
-                        )
-                    else:
-                        dot_signed(sums[r], words[r0 + r, g], codes[t, g])
+                    dot_six(
+                        sums[r],
+                        words[r0 + r, 4 * b],
+                        words[r0 + r, 4 * b + 1],
+                        words[r0 + r, 4 * b + 2],
+                        words[r0 + r, 4 * b + 3],
+                        codes[t, 3 * b],
+                        codes[t, 3 * b + 1],
+                        codes[t, 3 * b + 2],
+                    )
+            else:
+                for g in range(b * code_words, (b + 1) * code_words):
+                    for r in range(rows):
+                        if nibbles:
+                            dot_nibbles(
+                                sums[r],
+                                words[r0 + r, 2 * g],
+                                words[r0 + r, 2 * g + 1],
+                                codes[t, g],
+                            )
+                        else:
+                            dot_signed(sums[r], words[r0 + r, g], codes[t, g])
             for r in range(rows):
                 lanes_mul(scale, dm[0], row_scales[r0 + r, b // runs_per_block], LANES)
                 fma_ints(total[r], sums[r], scale)
@@ -178,11 +243,14 @@ def gemm_all_rows(
 ) -> Callable[..., None]:
     """gemm(x, codes, scales, out, add, worker, workers), as `grid_gemm.gemm_all_rows`
     gives for a grid's kinds, for the DOTS kinds: each worker quantises the rows
-    (`quantize_rows`: a small share of its work, and no barrier), then takes every
-    workers-th group of TILE_GROUP tiles and runs ROWS rows a pass over each tile. silu:
+    (`quantize_rows`: a small share of its work, and no barrier), then takes its share of
+    the groups of TILE_GROUP tiles, side by side (one stream for the hardware prefetcher:
+    a decode step reads each weight once, from memory), and runs ROWS rows a pass over
+    each tile. silu:
     out [M, out_features / 32, 16] gets silu(gate) * up (gelu: gelu_tanh(gate) * up)."""
     k = in_features
     run = grid_gemm.block_of(kind)
+    six = kind == grid_gemm.DOT6_FINE
     many, one = _pass(kind, ROWS, k), _pass(kind, 1, k)
     group_tiles, half = grid_gemm.TILE_GROUP, grid_gemm.TILE_GROUP // 2
     paired_tile, silu_rows = grid_gemm._paired_tile, grid_gemm._silu_rows
@@ -203,11 +271,15 @@ def gemm_all_rows(
         row_scales = np.empty((m, k // BLOCK), dtype=np.float32)
         row_sums = np.empty((m, k // run), dtype=np.float32)
         quantize_rows(given, row_codes, row_scales, row_sums)
+        row_ints = np.zeros((m, k // run if six else 0), dtype=np.int32)
+        if six:
+            run_code_sums(row_codes, row_ints)
         words = row_codes.view(np.int32)
         tiles = codes.shape[0]
         product = np.empty((2, m if silu else 0, half, LANES), dtype=np.float32)
         silu_scratch = np.empty((4 if silu else 0, ROWS * half * LANES), np.float32)
-        for group in range(worker, tiles // group_tiles, workers):
+        groups = tiles // group_tiles
+        for group in range(groups * worker // workers, groups * (worker + 1) // workers):
             for r0 in range(0, m, ROWS):
                 rows = min(ROWS, m - r0)
                 for b in range(group_tiles):
@@ -219,6 +291,7 @@ def gemm_all_rows(
                                 words,
                                 row_scales,
                                 row_sums,
+                                row_ints,
                                 codes,
                                 scales,
                                 t,
@@ -233,6 +306,7 @@ def gemm_all_rows(
                                     words,
                                     row_scales,
                                     row_sums,
+                                    row_ints,
                                     codes,
                                     scales,
                                     t,
@@ -244,10 +318,24 @@ def gemm_all_rows(
                         continue
                     t = group * group_tiles + b
                     if rows == ROWS:
-                        many(words, row_scales, row_sums, codes, scales, t, r0, out, t, add)
+                        many(
+                            words, row_scales, row_sums, row_ints, codes, scales, t, r0, out, t, add
+                        )
                     else:
                         for r in range(r0, r0 + rows):
-                            one(words, row_scales, row_sums, codes, scales, t, r, out, t, add)
+                            one(
+                                words,
+                                row_scales,
+                                row_sums,
+                                row_ints,
+                                codes,
+                                scales,
+                                t,
+                                r,
+                                out,
+                                t,
+                                add,
+                            )
                 if silu:
                     silu_rows(product, r0, rows, out, group * half, silu_scratch, gelu)
 
@@ -416,3 +504,55 @@ def dot_nibbles(typingctx: Any, sums: Any, low: Any, high: Any, codes: Any) -> A
         return context.get_dummy_value()
 
     return types.void(sums, low, high, codes), codegen
+
+
+@intrinsic
+def dot_six(
+    typingctx: Any, sums: Any, w0: Any, w1: Any, w2: Any, w3: Any, low0: Any, low1: Any, high: Any
+) -> Any:
+    """sums[l] += the products of 16 inputs' 6-bit codes (DOT6_FINE's three words of lane
+    l: low0, low1, high; unsigned 0..63) by a row's int8 codes in words w0 .. w3 (inputs
+    0-3, 4-7, 8-11, 12-15). Two inputs' pairs add in 16 bits before each widening, at
+    most 4 * 63 * 127."""
+    words = (w0, w1, w2, w3)
+    if not (
+        _int_lanes(sums)
+        and all(isinstance(w, types.Integer) for w in words)
+        and all(_int_lanes(c) for c in (low0, low1, high))
+    ):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        bytes_type = ir.VectorType(ir.IntType(8), 4 * LANES)
+
+        def splat(value: int) -> Any:
+            return ir.Constant(bytes_type, [value] * (4 * LANES))
+
+        def codes_at(i: int) -> Any:
+            pointer = _lanes_pointer(context, builder, signature.args[i], args[i])
+            return builder.bitcast(builder.load(pointer, align=4), bytes_type)
+
+        target = _lanes_pointer(context, builder, signature.args[0], args[0])
+        low = [codes_at(5), codes_at(6)]
+        high = codes_at(7)
+        top = splat(0x30)
+        codes = [
+            builder.or_(
+                builder.and_(low[0], splat(15)), builder.and_(builder.shl(high, splat(4)), top)
+            ),
+            builder.or_(
+                builder.lshr(low[0], splat(4)), builder.and_(builder.shl(high, splat(2)), top)
+            ),
+            builder.or_(builder.and_(low[1], splat(15)), builder.and_(high, top)),
+            builder.or_(
+                builder.lshr(low[1], splat(4)), builder.and_(builder.lshr(high, splat(2)), top)
+            ),
+        ]
+        rows = [_spread(context, builder, args[1 + j], signature.args[1 + j]) for j in range(4)]
+        acc = builder.load(target, align=4)
+        acc = _madd(builder, acc, (codes[0], rows[0]), (codes[1], rows[1]))
+        acc = _madd(builder, acc, (codes[2], rows[2]), (codes[3], rows[3]))
+        builder.store(acc, target, align=4)
+        return context.get_dummy_value()
+
+    return types.void(sums, w0, w1, w2, w3, low0, low1, high), codegen

@@ -85,8 +85,9 @@ TYPES = {
     "Q8_0": (grid_gemm.SCALED8, grid_gemm.DOT8),
     "Q5_0": (grid_gemm.SCALED8, grid_gemm.DOT8),
     "Q5_K": (grid_gemm.SCALED8, grid_gemm.DOT8),
-    "Q6_K": (grid_gemm.FINE8, grid_gemm.DOT8_FINE),
-    "Q6_K in 6 bits": (grid_gemm.FINE6, grid_gemm.DOT8_FINE),
+    "Q6_K": (grid_gemm.FINE8, grid_gemm.DOT6_FINE),
+    "Q6_K in 6 bits": (grid_gemm.FINE6, grid_gemm.DOT6_FINE),
+    "Q6_K in 8 bits": (grid_gemm.FINE8, grid_gemm.DOT8_FINE),
 }
 
 
@@ -98,7 +99,7 @@ def test_integer_products_of_each_types_codes_equal_the_exact_reference(type_nam
     file_type = type_name.split()[0]
     grid, weight = file_grid(file_type, 128, 512, seed=5, six_bits="6 bits" in type_name)
     assert grid.kind == kind
-    ints = int8_gemm.to_int8(grid)
+    ints = int8_gemm.to_int8(grid, six_bits="8 bits" not in type_name)
     assert ints.kind == dot and ints.scales is grid.scales
     assert torch.equal(ints.dense(), weight)
     x = torch.randn(2 * int8_gemm.ROWS + 1, 512, generator=torch.Generator().manual_seed(1))
@@ -125,12 +126,31 @@ def test_q4_k_and_q6_k_rows_of_one_weight_and_addition_into_out() -> None:
     whole = gguf_quants.concatenate(blocks)
     grid = grid_gemm.from_codes(whole.codes, whole.d, whole.m, whole.low, whole.high, whole.supers)
     ints = int8_gemm.to_int8(grid)
-    assert ints.kind == grid_gemm.DOT8_FINE and ints.scales.dtype == np.uint8
+    assert ints.kind == grid_gemm.DOT6_FINE and ints.scales.dtype == np.uint8
     x = torch.randn(6, 256, generator=torch.Generator().manual_seed(3))
     out = torch.randn(6, 64, generator=torch.Generator().manual_seed(4))
     expected = out.numpy() + reference(ints, x.numpy())
     grid_gemm.grid_linear(x, ints, grid_gemm.fixed_order(256), out=out, add=True)
     assert np.array_equal(out.numpy(), expected)
+
+
+def test_runs_of_16_with_codes_past_6_bits_keep_8_bits() -> None:
+    """A grid of runs of 16 whose codes leave -32..31 becomes DOT8_FINE, whatever is asked;
+    one whose codes fit becomes DOT6_FINE, and both give the reference's bits."""
+    rng = np.random.default_rng(7)
+    d = rng.uniform(0.01, 0.02, (64, 8)).astype(np.float32)
+    m = np.zeros_like(d)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(8))
+    for low, high, kind in ((-32, 31, grid_gemm.DOT6_FINE), (-33, 31, grid_gemm.DOT8_FINE)):
+        codes = rng.integers(low, high + 1, (64, 128)).astype(np.int8)
+        codes[0, 0], codes[1, 1] = low, high
+        grid = grid_gemm.from_codes(codes, d, m, low, high, six_bits=False)
+        assert grid.kind == grid_gemm.FINE8
+        ints = int8_gemm.to_int8(grid)
+        assert ints.kind == kind
+        assert torch.equal(ints.dense(), grid.dense())
+        got = grid_gemm.grid_linear(x, ints, grid_gemm.fixed_order(128))
+        assert np.array_equal(got.numpy(), reference(ints, x.numpy()))
 
 
 def test_rows_are_quantised_as_llama_cpp_rounds_them() -> None:

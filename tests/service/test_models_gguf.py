@@ -508,8 +508,8 @@ def test_int8_products_run_the_files_codes_and_give_logits_close_to_fp32(
     dots = {
         grid_gemm.AFFINE4: grid_gemm.DOT4,
         grid_gemm.SCALED8: grid_gemm.DOT8,
-        grid_gemm.FINE8: grid_gemm.DOT8_FINE,
-        grid_gemm.FINE6: grid_gemm.DOT8_FINE,
+        grid_gemm.FINE8: grid_gemm.DOT6_FINE,  # a Q6_K's codes, kept in 6 bits
+        grid_gemm.FINE6: grid_gemm.DOT6_FINE,
     }
     for position in range(4):
         for kind, int_kind in (
