@@ -38,7 +38,9 @@ from numba.core import cgutils, types
 
 from pagedinfer.kernels.cpu import grid_gemm
 from pagedinfer.kernels.cpu.greedy_argmax import fma_ints
+from pagedinfer.kernels.cpu.layer_ops import silu_times
 from pagedinfer.kernels.cpu.numba_support import (
+    FASTMATH,
     int_stack_array,
     intrinsic,
     jit,
@@ -59,6 +61,8 @@ AVX2 = bool(_FEATURES.get("avx2", False))
 # Rows one pass over a tile takes (fewer left over go one at a time): each keeps 16 lanes
 # of 32-bit sums and of fp32 totals, which AVX2's 16 registers hold for 4 rows at most.
 ROWS = 4
+SILU_VALUES = 2048  # gate outputs one SiLU call of a gate/up GEMM takes, at least a group's
+GROUP_WORDS = 4  # a DOT4 run's words of a lane's codes: 32 inputs, 4-bit
 # The grid kinds whose codes the integer products take, and the layout each becomes.
 _DOT_OF = {
     grid_gemm.AFFINE4: grid_gemm.DOT4,
@@ -213,17 +217,11 @@ def _pass(kind: str, rows: int, in_features: int) -> Callable[..., None]:
                         codes[t, 3 * b + 2],
                     )
             else:
-                for g in range(b * code_words, (b + 1) * code_words):
-                    for r in range(rows):
-                        if nibbles:
-                            dot_nibbles(
-                                sums[r],
-                                words[r0 + r, 2 * g],
-                                words[r0 + r, 2 * g + 1],
-                                codes[t, g],
-                            )
-                        else:
-                            dot_signed(sums[r], words[r0 + r, g], codes[t, g])
+                for r in range(rows):
+                    if nibbles:
+                        dot_nibble_run(sums[r], words, r0 + r, codes, t, b * code_words)
+                    else:
+                        dot_signed_run(sums[r], words, r0 + r, codes, t, b * code_words, code_words)
             for r in range(rows):
                 lanes_mul(scale, dm[0], row_scales[r0 + r, b // runs_per_block], LANES)
                 fma_ints(total[r], sums[r], scale)
@@ -253,7 +251,7 @@ def gemm_all_rows(
     six = kind == grid_gemm.DOT6_FINE
     many, one = _pass(kind, ROWS, k), _pass(kind, 1, k)
     group_tiles, half = grid_gemm.TILE_GROUP, grid_gemm.TILE_GROUP // 2
-    paired_tile, silu_rows = grid_gemm._paired_tile, grid_gemm._silu_rows
+    paired_tile = grid_gemm._paired_tile
 
     @jit(nogil=True, error_model="numpy")
     def gemm(
@@ -276,16 +274,27 @@ def gemm_all_rows(
             run_code_sums(row_codes, row_ints)
         words = row_codes.view(np.int32)
         tiles = codes.shape[0]
-        product = np.empty((2, m if silu else 0, half, LANES), dtype=np.float32)
-        silu_scratch = np.empty((4 if silu else 0, ROWS * half * LANES), np.float32)
+        # silu: the gate/up products of a chunk of tile groups go through one SiLU (a call
+        # of fixed cost that a group of one row's 32 values would not repay).
+        batch = max(1, SILU_VALUES // (m * half * LANES)) if silu else 0
+        product = np.zeros((2, m if silu else 0, batch * half, LANES), dtype=np.float32)
+        silu_scratch = np.empty((4, m * batch * half * LANES if silu else 0), np.float32)
         groups = tiles // group_tiles
-        for group in range(groups * worker // workers, groups * (worker + 1) // workers):
-            for r0 in range(0, m, ROWS):
-                rows = min(ROWS, m - r0)
-                for b in range(group_tiles):
-                    if silu:
-                        t = paired_tile(group, b, half, tiles)
-                        side, o = b // half, b % half
+        first, end = groups * worker // workers, groups * (worker + 1) // workers
+        step = batch if silu else max(end - first, 1)  # without silu, one chunk
+        for chunk in range(first, end, step):
+            chunk_end = min(end, chunk + step)
+            for group in range(chunk, chunk_end):
+                for r0 in range(0, m, ROWS):
+                    rows = min(ROWS, m - r0)
+                    for b in range(group_tiles):
+                        if silu:
+                            t = paired_tile(group, b, half, tiles)
+                            side, o = b // half, (group - chunk) * half + b % half
+                            target, add_here = product[side], False
+                        else:
+                            t = o = group * group_tiles + b
+                            target, add_here = out, add
                         if rows == ROWS:
                             many(
                                 words,
@@ -296,9 +305,9 @@ def gemm_all_rows(
                                 scales,
                                 t,
                                 r0,
-                                product[side],
+                                target,
                                 o,
-                                False,
+                                add_here,
                             )
                         else:
                             for r in range(r0, r0 + rows):
@@ -311,35 +320,39 @@ def gemm_all_rows(
                                     scales,
                                     t,
                                     r,
-                                    product[side],
+                                    target,
                                     o,
-                                    False,
+                                    add_here,
                                 )
-                        continue
-                    t = group * group_tiles + b
-                    if rows == ROWS:
-                        many(
-                            words, row_scales, row_sums, row_ints, codes, scales, t, r0, out, t, add
-                        )
-                    else:
-                        for r in range(r0, r0 + rows):
-                            one(
-                                words,
-                                row_scales,
-                                row_sums,
-                                row_ints,
-                                codes,
-                                scales,
-                                t,
-                                r,
-                                out,
-                                t,
-                                add,
-                            )
-                if silu:
-                    silu_rows(product, r0, rows, out, group * half, silu_scratch, gelu)
+            if silu:
+                silu_chunk(
+                    product, out, chunk * half, (chunk_end - chunk) * half, silu_scratch, gelu
+                )
 
     return gemm
+
+
+@jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
+def silu_chunk(
+    product: np.ndarray,
+    out: np.ndarray,
+    first: int,
+    width: int,
+    scratch: np.ndarray,
+    gelu: bool,
+) -> None:
+    """out[r, first + j] = silu(gate) * up (gelu: gelu_tanh) for j < width, every row r,
+    of a chunk's products [2, M, W >= width, 16] (gate tiles, then the same tiles of up):
+    one `layer_ops.silu_times` over the whole chunk, compiled as `silu_mul` is, so that
+    both give the same bits. scratch: fp32 [4, M * W * 16]."""
+    m, tiles = product.shape[1], product.shape[2]
+    n = m * tiles * LANES
+    result, negative, decay = scratch[0], scratch[1], scratch[2]
+    bits = scratch[3].view(np.int32)
+    silu_times(product[0].reshape(n), product[1].reshape(n), result, negative, decay, bits, gelu)
+    for r in range(m):
+        for j in range(width):
+            lanes_copy(out[r, first + j], result[(r * tiles + j) * LANES :], LANES)
 
 
 # -- byte products ------------------------------------------------------------------------
@@ -452,58 +465,81 @@ def _with_signs(builder: Any, row: Any, q: Any) -> Any:
 
 
 @intrinsic
-def dot_signed(typingctx: Any, sums: Any, word: Any, codes: Any) -> Any:
-    """sums[l] += the sum over i < 4 of byte i of `word` times byte i of codes[l], both
-    signed (16 int32 lanes l): the codes' magnitudes (unsigned: -128 gives 128) times the
-    word's bytes with the codes' signs (0 where a code is 0)."""
-    if not (_int_lanes(sums) and isinstance(word, types.Integer) and _int_lanes(codes)):
+def dot_signed_run(
+    typingctx: Any, sums: Any, words: Any, r: Any, codes: Any, t: Any, g0: Any, count: Any
+) -> Any:
+    """sums[l] += a run's products of signed 8-bit codes (words g0 .. g0 + count - 1 of
+    tile t of codes: int32 [tiles, K / 4, 16], each 4 inputs' codes of a lane) by row r
+    of a rows' int8 codes (words: int32 [M, K / 4]); count a compile-time constant. Each
+    product: a code's magnitude (unsigned: -128 gives 128) times the row's byte with the
+    code's sign (0 where the code is 0); each word widens on its own (a pair of products
+    fills 16 bits)."""
+    if not (
+        _int_lanes(sums)
+        and _int_arrays(words, 2)
+        and _int_arrays(codes, 3)
+        and all(isinstance(i, types.Integer) for i in (r, t, g0))
+        and isinstance(count, types.IntegerLiteral)
+    ):
         return None
+    words_count = count.literal_value
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         bytes_type = ir.VectorType(ir.IntType(8), 4 * LANES)
         zero = ir.Constant(bytes_type, None)
+        read = _RunReader(context, builder, signature, args)
         target = _lanes_pointer(context, builder, signature.args[0], args[0])
-        row = _spread(context, builder, args[1], signature.args[1])
-        pointer = _lanes_pointer(context, builder, signature.args[2], args[2])
-        q = builder.bitcast(builder.load(pointer, align=4), bytes_type)
-        negative = builder.icmp_signed("<", q, zero)
-        magnitude = builder.select(negative, builder.sub(zero, q), q)
-        signed_row = _with_signs(builder, row, q)
         acc = builder.load(target, align=4)
-        builder.store(_madd(builder, acc, (magnitude, signed_row)), target, align=4)
-        return context.get_dummy_value()
-
-    return types.void(sums, word, codes), codegen
-
-
-@intrinsic
-def dot_nibbles(typingctx: Any, sums: Any, low: Any, high: Any, codes: Any) -> Any:
-    """sums[l] += the sum over i < 4 of (byte i of codes[l] & 15) times byte i of `low`,
-    and of (byte i >> 4) times byte i of `high` (4-bit codes unsigned, words signed)."""
-    if not (
-        _int_lanes(sums)
-        and isinstance(low, types.Integer)
-        and isinstance(high, types.Integer)
-        and _int_lanes(codes)
-    ):
-        return None
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        bytes_type = ir.VectorType(ir.IntType(8), 4 * LANES)
-        target = _lanes_pointer(context, builder, signature.args[0], args[0])
-        pointer = _lanes_pointer(context, builder, signature.args[3], args[3])
-        q = builder.bitcast(builder.load(pointer, align=4), bytes_type)
-        mask = ir.Constant(bytes_type, [15] * (4 * LANES))
-        low_codes = builder.and_(q, mask)
-        high_codes = builder.lshr(q, ir.Constant(bytes_type, [4] * (4 * LANES)))
-        acc = builder.load(target, align=4)
-        low_row = _spread(context, builder, args[1], signature.args[1])
-        high_row = _spread(context, builder, args[2], signature.args[2])
-        acc = _madd(builder, acc, (low_codes, low_row), (high_codes, high_row))
+        for j in range(words_count):
+            q = read.codes(j)
+            negative = builder.icmp_signed("<", q, zero)
+            magnitude = builder.select(negative, builder.sub(zero, q), q)
+            row = read.row(read.g(j))
+            acc = _madd(builder, acc, (magnitude, _with_signs(builder, row, q)))
         builder.store(acc, target, align=4)
         return context.get_dummy_value()
 
-    return types.void(sums, low, high, codes), codegen
+    return types.void(sums, words, r, codes, t, g0, count), codegen
+
+
+def _int_arrays(t: Any, ndim: int) -> bool:
+    return isinstance(t, types.Array) and t.ndim == ndim and t.dtype == types.int32
+
+
+class _RunReader:
+    """In an intrinsic's code (args: sums, words, r, codes, t, g0, ...): word g0 + j of
+    tile t's codes as 64 bytes, and row r's word w in every lane."""
+
+    def __init__(self, context: Any, builder: Any, signature: Any, args: Any) -> None:
+        self.context, self.builder = context, builder
+        self.words_type, self.codes_type = signature.args[1], signature.args[3]
+        self.words = context.make_array(self.words_type)(context, builder, args[1])
+        self.codes_array = context.make_array(self.codes_type)(context, builder, args[3])
+        self.r, self.t, self.g0 = (
+            context.cast(builder, args[i], signature.args[i], types.int64) for i in (2, 4, 5)
+        )
+
+    def g(self, j: int) -> Any:
+        """The index of the run's word j (g0 + j)."""
+        return self.builder.add(self.g0, ir.IntType(64)(j))
+
+    def codes(self, j: int) -> Any:
+        """Word g0 + j of the tile's codes: 64 bytes."""
+        builder, i64 = self.builder, ir.IntType(64)
+        at = cgutils.get_item_pointer(
+            self.context, builder, self.codes_type, self.codes_array, [self.t, self.g(j), i64(0)]
+        )
+        lanes = builder.bitcast(at, ir.VectorType(ir.IntType(32), LANES).as_pointer())
+        return builder.bitcast(
+            builder.load(lanes, align=4), ir.VectorType(ir.IntType(8), 4 * LANES)
+        )
+
+    def row(self, w: Any) -> Any:
+        """Row r's word w (an i64 value) in every lane, as 64 bytes."""
+        pointer = cgutils.get_item_pointer(
+            self.context, self.builder, self.words_type, self.words, [self.r, w]
+        )
+        return _spread(self.context, self.builder, self.builder.load(pointer), types.int32)
 
 
 @intrinsic
@@ -556,3 +592,39 @@ def dot_six(
         return context.get_dummy_value()
 
     return types.void(sums, w0, w1, w2, w3, low0, low1, high), codegen
+
+
+@intrinsic
+def dot_nibble_run(
+    typingctx: Any, sums: Any, words: Any, r: Any, codes: Any, t: Any, g0: Any
+) -> Any:
+    """sums[l] += a run of 32 inputs' products (DOT4 words g0 .. g0 + 3 of tile t of
+    codes: int32 [tiles, K / 8, 16]) by row r of a rows' int8 codes (words: int32 [M,
+    K / 4]). The 8 byte-pair sums of a lane add in 16 bits (at most 8 * 2 * 15 * 127)
+    before one widening a run."""
+    if not (
+        _int_lanes(sums)
+        and _int_arrays(words, 2)
+        and _int_arrays(codes, 3)
+        and all(isinstance(i, types.Integer) for i in (r, t, g0))
+    ):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        bytes_type = ir.VectorType(ir.IntType(8), 4 * LANES)
+        read = _RunReader(context, builder, signature, args)
+        mask = ir.Constant(bytes_type, [15] * (4 * LANES))
+        four = ir.Constant(bytes_type, [4] * (4 * LANES))
+        pairs = []
+        for j in range(GROUP_WORDS):
+            q = read.codes(j)
+            low_word = builder.mul(read.g(j), ir.IntType(64)(2))
+            high_word = builder.add(low_word, ir.IntType(64)(1))
+            pairs.append((builder.and_(q, mask), read.row(low_word)))
+            pairs.append((builder.lshr(q, four), read.row(high_word)))
+        target = _lanes_pointer(context, builder, signature.args[0], args[0])
+        acc = _madd(builder, builder.load(target, align=4), *pairs)
+        builder.store(acc, target, align=4)
+        return context.get_dummy_value()
+
+    return types.void(sums, words, r, codes, t, g0), codegen

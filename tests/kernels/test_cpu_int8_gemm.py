@@ -172,3 +172,29 @@ def test_rows_are_quantised_as_llama_cpp_rounds_them() -> None:
     run_sums = codes.reshape(3, 4, 16).astype(np.int64).sum(axis=2)
     expected = (np.repeat(scales, 2, axis=1) * run_sums).astype(np.float32)
     assert np.array_equal(sums, expected)
+
+
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_the_gate_up_gemm_gives_silu_mul_of_its_product(type_name, gelu) -> None:
+    """A [gate | up] weight of 2 x 2,560 outputs (80 groups of two gate tiles and the same
+    two of up: more than one SiLU chunk for one row, and a chunk left part full): out gets
+    what `silu_mul` makes of the integer GEMM's whole product, bit for bit, for every row
+    count, with one worker or two."""
+    from pagedinfer.kernels.cpu import layer_ops
+    from pagedinfer.kernels.cpu.numba_support import Job, run_jobs
+
+    grid, _ = file_grid(type_name, 5120, 256, seed=9)
+    ints = int8_gemm.to_int8(grid)
+    order = grid_gemm.fixed_order(256)
+    gemm = grid_gemm.gemm_all_rows(ints.kind, 256, order.ends, order.fused, True, gelu)
+    assert 80 > int8_gemm.SILU_VALUES // (grid_gemm.TILE_GROUP // 2 * 16)
+    generator = torch.Generator().manual_seed(3)
+    for threads in (1, 2):
+        with torch_threads(threads):
+            for rows in (1, 3, int8_gemm.ROWS, 2 * int8_gemm.ROWS + 1):
+                x = torch.randn(rows, 256, generator=generator) * 4  # SiLU's both sides
+                expected = layer_ops.silu_mul(grid_gemm.grid_linear(x, ints, order), gelu)
+                out = np.full((rows, 2560 // 16, 16), np.nan, dtype=np.float32)
+                run_jobs([Job(gemm, (x.numpy(), ints.codes, ints.scales, out, False), 80)])
+                assert np.array_equal(out.reshape(rows, 2560), expected.numpy()), (threads, rows)
