@@ -1,6 +1,6 @@
-"""`--help` says every flag's meaning and default, and the README's flag tables agree
+"""`--help` says every flag's meaning and default, and the flag tables of docs/cli.md agree
 with the parsers: a flag added, removed or given a new default fails here until the
-README says so too."""
+reference says so too; the README names only flags that exist."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 
 from pagedinfer.service.cli import build_parser
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README, FLAG_DOC = ROOT / "README.md", ROOT / "docs" / "cli.md"
 TABLES = ("| engine flag | default | what |", "| `serve` flag | default | what |")
 
 
@@ -31,18 +32,18 @@ def options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
 
 
 def readme_rows() -> dict[str, str]:
-    """Each flag of the README's two flag tables -> its default cell."""
-    text = README.read_text()
+    """Each flag of the two flag tables of docs/cli.md -> its default cell."""
+    text = FLAG_DOC.read_text()
     rows: dict[str, str] = {}
     for header in TABLES:
-        assert header in text, f"README lost its table {header!r}"
+        assert header in text, f"docs/cli.md lost its table {header!r}"
         for line in text[text.index(header) :].splitlines()[2:]:
             if not line.startswith("|"):
                 break
             flags, default = (cell.strip() for cell in line.strip("|").split("|")[:2])
             defaults = [d.strip() for d in default.split(",")]
             names = re.findall(r"`(--[a-z0-9-]+)`", flags)
-            assert names, f"a README row names no flag: {line}"
+            assert names, f"a docs/cli.md row names no flag: {line}"
             for i, name in enumerate(names):
                 rows[name] = defaults[i] if len(defaults) == len(names) else default
     return rows
@@ -67,7 +68,7 @@ def test_the_readme_tables_list_every_engine_and_server_flag_with_its_default() 
     serve = options(subcommand("serve"))
     rows = readme_rows()
     assert set(rows) == set(serve), (
-        f"README's flag tables and `serve --help` differ: only in the README "
+        f"the flag tables of docs/cli.md and `serve --help` differ: only in docs/cli.md "
         f"{sorted(set(rows) - set(serve))}, only in --help {sorted(set(serve) - set(rows))}"
     )
     for flag, cell in rows.items():
@@ -75,19 +76,19 @@ def test_the_readme_tables_list_every_engine_and_server_flag_with_its_default() 
         shown = re.fullmatch(r"`([^`]+)`", cell)
         if shown is None:  # words: a computed default, a switch, or none at all
             assert action.default is None or action.nargs == 0, (
-                f"README gives {flag} no value, but its default is {action.default!r}"
+                f"docs/cli.md gives {flag} no value, but its default is {action.default!r}"
             )
             continue
         value = shown.group(1)
         if isinstance(action.default, (int, float)) and not isinstance(action.default, bool):
-            assert float(value) == float(action.default), f"README: {flag} {value}"
+            assert float(value) == float(action.default), f"docs/cli.md: {flag} {value}"
         else:
-            assert value == str(action.default), f"README: {flag} {value} != {action.default}"
+            assert value == str(action.default), f"docs/cli.md: {flag} {value} != {action.default}"
 
 
 def test_the_readme_names_only_flags_that_exist() -> None:
     known = set(options(subcommand("serve"))) | set(options(subcommand("generate")))
     known |= {"-n"}
     section = README.read_text().split("### Command line", 1)[1].split("### Python", 1)[0]
-    named = set(re.findall(r"`(--[a-z0-9-]+)", section))
-    assert named <= known, f"README names flags no command has: {sorted(named - known)}"
+    named = set(re.findall(r"`(--[a-z0-9-]+)", section + FLAG_DOC.read_text()))
+    assert named <= known, f"the docs name flags no command has: {sorted(named - known)}"
