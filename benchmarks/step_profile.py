@@ -43,7 +43,7 @@ import torch
 
 from pagedinfer.kernels.cpu import fused_step
 from pagedinfer.kernels.cpu.numba_support import cycles
-from pagedinfer.service.config import EngineConfig
+from pagedinfer.service.config import GGUF_ACTIVATIONS, EngineConfig
 from pagedinfer.service.engine import LLMEngine
 from pagedinfer.service.sampling_params import SamplingParams
 
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--gguf-activations",
         default=EngineConfig.gguf_activations,
-        choices=("fp32", "int8"),
+        choices=GGUF_ACTIVATIONS,
         help="a GGUF model's GEMM products, as the server's flag",
     )
     args = ap.parse_args(argv)

@@ -62,7 +62,6 @@ AVX2 = bool(_FEATURES.get("avx2", False))
 # of 32-bit sums and of fp32 totals, which AVX2's 16 registers hold for 4 rows at most.
 ROWS = 4
 SILU_VALUES = 2048  # gate outputs one SiLU call of a gate/up GEMM takes, at least a group's
-GROUP_WORDS = 4  # a DOT4 run's words of a lane's codes: 32 inputs, 4-bit
 # The grid kinds whose codes the integer products take, and the layout each becomes.
 _DOT_OF = {
     grid_gemm.AFFINE4: grid_gemm.DOT4,
@@ -219,7 +218,7 @@ def _pass(kind: str, rows: int, in_features: int) -> Callable[..., None]:
             else:
                 for r in range(rows):
                     if nibbles:
-                        dot_nibble_run(sums[r], words, r0 + r, codes, t, b * code_words)
+                        dot_nibble_run(sums[r], words, r0 + r, codes, t, b * code_words, code_words)
                     else:
                         dot_signed_run(sums[r], words, r0 + r, codes, t, b * code_words, code_words)
             for r in range(rows):
@@ -382,9 +381,9 @@ def _spread(context: Any, builder: Any, word: Any, word_type: Any) -> Any:
 def _madd(builder: Any, acc: Any, *pairs: tuple[Any, Any]) -> Any:
     """acc (16 int32 lanes) + the sums of each lane's 4 products of unsigned bytes by signed
     bytes (64 each) of every pair (unsigned, signed): vpdpbusd with AVX-512 VNNI, else
-    vpmaddubsw and vpmaddwd by ones on AVX2's 256-bit halves (two pairs' 16-bit sums added
-    before vpmaddwd: the callers' pairs of 4-bit codes, 4 * 15 * 127 a lane pair at most),
-    else plain integer vector code."""
+    vpmaddubsw and vpmaddwd by ones on AVX2's 256-bit halves (all the pairs' 16-bit sums
+    added before one vpmaddwd: the callers keep them in 16 bits, as a run of 4-bit codes,
+    8 * 2 * 15 * 127 at most), else plain integer vector code."""
     i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
     vector = ir.VectorType(i32, LANES)
     if VNNI:
@@ -596,19 +595,22 @@ def dot_six(
 
 @intrinsic
 def dot_nibble_run(
-    typingctx: Any, sums: Any, words: Any, r: Any, codes: Any, t: Any, g0: Any
+    typingctx: Any, sums: Any, words: Any, r: Any, codes: Any, t: Any, g0: Any, count: Any
 ) -> Any:
-    """sums[l] += a run of 32 inputs' products (DOT4 words g0 .. g0 + 3 of tile t of
-    codes: int32 [tiles, K / 8, 16]) by row r of a rows' int8 codes (words: int32 [M,
-    K / 4]). The 8 byte-pair sums of a lane add in 16 bits (at most 8 * 2 * 15 * 127)
-    before one widening a run."""
+    """sums[l] += a run's products (DOT4 words g0 .. g0 + count - 1 of tile t of codes:
+    int32 [tiles, K / 8, 16]; count a compile-time constant, at most 4) by row r of a
+    rows' int8 codes (words: int32 [M, K / 4]). A lane's byte-pair sums, 2 a word, add in
+    16 bits (at most 8 * 2 * 15 * 127) before one widening a run."""
     if not (
         _int_lanes(sums)
         and _int_arrays(words, 2)
         and _int_arrays(codes, 3)
         and all(isinstance(i, types.Integer) for i in (r, t, g0))
+        and isinstance(count, types.IntegerLiteral)
+        and count.literal_value <= 4
     ):
         return None
+    words_count = count.literal_value
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         bytes_type = ir.VectorType(ir.IntType(8), 4 * LANES)
@@ -616,7 +618,7 @@ def dot_nibble_run(
         mask = ir.Constant(bytes_type, [15] * (4 * LANES))
         four = ir.Constant(bytes_type, [4] * (4 * LANES))
         pairs = []
-        for j in range(GROUP_WORDS):
+        for j in range(words_count):
             q = read.codes(j)
             low_word = builder.mul(read.g(j), ir.IntType(64)(2))
             high_word = builder.add(low_word, ir.IntType(64)(1))
@@ -627,4 +629,4 @@ def dot_nibble_run(
         builder.store(acc, target, align=4)
         return context.get_dummy_value()
 
-    return types.void(sums, words, r, codes, t, g0), codegen
+    return types.void(sums, words, r, codes, t, g0, count), codegen
