@@ -122,25 +122,27 @@ def to_int8(grid: grid_gemm.GridWeight, six_bits: bool = True) -> grid_gemm.Grid
 
 @jit(nogil=True, error_model="numpy")
 def quantize_rows(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, sums: np.ndarray) -> None:
-    """Rows x (fp32 [M, K]) as int8 codes [M, K] per block of BLOCK inputs, as llama.cpp's
-    q8_0 rounds them (its AVX2 code): s = max |x| / 127 (scales [M, K / BLOCK], kept in
+    """Rows x (fp32 [M, K]) as int8 codes [M, K] per block of inputs (BLOCK, or a
+    super-block's 256 for a K-quant's weight, as llama.cpp's q8_0 and q8_K), rounded as
+    q8_0's AVX2 code rounds them: s = max |x| / 127 (scales [M, K / block], kept in
     fp32 where q8_0 keeps an fp16), a = x * (127 / max |x|) rounded to nearest, ties to
     even (0 where max |x| is 0). sums [M, K / run]: s * sum(a) of each run
     of inputs (runs of BLOCK or BLOCK / 2), the rows' share of a grid's offsets m."""
     m, k = x.shape
     run = k // sums.shape[1]
+    block = k // scales.shape[1]
     for r in range(m):
-        for b in range(k // BLOCK):
+        for b in range(k // block):
             largest = np.float32(0.0)
-            for i in range(b * BLOCK, (b + 1) * BLOCK):
+            for i in range(b * block, (b + 1) * block):
                 largest = max(largest, abs(x[r, i]))
             s = largest / np.float32(CODE_MAX)
             inverse = np.float32(CODE_MAX) / largest if largest > 0 else np.float32(0.0)
             scales[r, b] = s
-            for i in range(b * BLOCK, (b + 1) * BLOCK):
+            for i in range(b * block, (b + 1) * block):
                 a = min(max(np.rint(x[r, i] * inverse), -CODE_MAX), CODE_MAX)
                 codes[r, i] = np.int8(a)
-            for h in range(b * BLOCK // run, (b + 1) * BLOCK // run):
+            for h in range(b * block // run, (b + 1) * block // run):
                 total = 0
                 for i in range(h * run, (h + 1) * run):
                     total += codes[r, i]
@@ -214,17 +216,108 @@ def _pass(kind: str, rows: int, in_features: int) -> Callable[..., None]:
                         codes[t, 3 * b],
                         codes[t, 3 * b + 1],
                         codes[t, 3 * b + 2],
+                        None,
                     )
             else:
                 for r in range(rows):
                     if nibbles:
-                        dot_nibble_run(sums[r], words, r0 + r, codes, t, b * code_words, code_words)
+                        dot_nibble_run(
+                            sums[r], words, r0 + r, codes, t, b * code_words, code_words, None
+                        )
                     else:
-                        dot_signed_run(sums[r], words, r0 + r, codes, t, b * code_words, code_words)
+                        dot_signed_run(
+                            sums[r], words, r0 + r, codes, t, b * code_words, code_words, None
+                        )
             for r in range(rows):
                 lanes_mul(scale, dm[0], row_scales[r0 + r, b // runs_per_block], LANES)
                 fma_ints(total[r], sums[r], scale)
                 lanes_fma(total[r], dm[1], row_sums[r0 + r, b], LANES)
+        for r in range(rows):
+            if add:
+                lanes_add(out[r0 + r, o], total[r], LANES)
+            else:
+                lanes_copy(out[r0 + r, o], total[r], LANES)
+
+    return one_pass
+
+
+@functools.cache
+def _super_pass(kind: str, rows: int, in_features: int) -> Callable[..., None]:
+    """one_pass(words, row_scales, row_ints, codes, scales, t, r0, out, o, add), as
+    `_pass`'s for a weight of SUPER scales, with rows quantised per super-block
+    (row_scales [M, K / 256]; row_ints [M, K / run]: each run's sum of row codes): per
+    super-block, the runs' code products times their integer scales summed in 32 bits
+    (less 32 * scale * sum(a) a run for DOT6_FINE's offset codes), and the mins' products
+    sum(min * sum(a)); then total += fp32(that) * (d * s) and fp32(the mins') * (dmin * -s)."""
+    run = grid_gemm.block_of(kind)
+    runs = grid_gemm.SUPER_BLOCK // run  # runs a super-block
+    supers = in_features // grid_gemm.SUPER_BLOCK
+    nibbles = kind == grid_gemm.DOT4
+    six = kind == grid_gemm.DOT6_FINE
+    code_words = run // 8 if nibbles else run // 4
+    zero = grid_gemm.SIX_BIT_ZERO
+
+    @jit(nogil=True, error_model="numpy", inline="always")
+    def one_pass(
+        words: np.ndarray,
+        row_scales: np.ndarray,
+        row_ints: np.ndarray,
+        codes: np.ndarray,
+        scales: np.ndarray,
+        t: int,
+        r0: int,
+        out: np.ndarray,
+        o: int,
+        add: bool,
+    ) -> None:
+        total = stack_array((rows, LANES))
+        sums = int_stack_array((rows, LANES))
+        least = int_stack_array((rows, LANES))
+        pairs = int_stack_array((runs, LANES))
+        plain = int_stack_array((runs, LANES))
+        mins = int_stack_array((runs, LANES))
+        heads = stack_array((2, LANES))
+        factor = stack_array((LANES,))
+        with_mins = scale_layout(scales) == SUPER_MINS
+        for r in range(rows):
+            lanes_copy(total[r], np.float32(0.0), LANES)
+        for sb in range(supers):
+            super_scales(pairs, plain, mins, heads, scales, t, sb, runs)
+            sums[:] = 0
+            least[:] = 0
+            for j in range(runs):
+                b = sb * runs + j
+                for r in range(rows):
+                    if six:
+                        dot_six(
+                            sums[r],
+                            words[r0 + r, 4 * b],
+                            words[r0 + r, 4 * b + 1],
+                            words[r0 + r, 4 * b + 2],
+                            words[r0 + r, 4 * b + 3],
+                            codes[t, 3 * b],
+                            codes[t, 3 * b + 1],
+                            codes[t, 3 * b + 2],
+                            pairs[j],
+                        )
+                        int_lanes_fma(sums[r], plain[j], -zero * row_ints[r0 + r, b])
+                    elif nibbles:
+                        dot_nibble_run(
+                            sums[r], words, r0 + r, codes, t, b * code_words, code_words, pairs[j]
+                        )
+                    else:
+                        dot_signed_run(
+                            sums[r], words, r0 + r, codes, t, b * code_words, code_words, pairs[j]
+                        )
+                    if with_mins:
+                        int_lanes_fma(least[r], mins[j], row_ints[r0 + r, b])
+            for r in range(rows):
+                s = row_scales[r0 + r, sb]
+                lanes_mul(factor, heads[0], s, LANES)
+                fma_ints(total[r], sums[r], factor)
+                if with_mins:
+                    lanes_mul(factor, heads[1], -s, LANES)
+                    fma_ints(total[r], least[r], factor)
         for r in range(rows):
             if add:
                 lanes_add(out[r0 + r, o], total[r], LANES)
@@ -249,6 +342,7 @@ def gemm_all_rows(
     run = grid_gemm.block_of(kind)
     six = kind == grid_gemm.DOT6_FINE
     many, one = _pass(kind, ROWS, k), _pass(kind, 1, k)
+    super_many, super_one = _super_pass(kind, ROWS, k), _super_pass(kind, 1, k)
     group_tiles, half = grid_gemm.TILE_GROUP, grid_gemm.TILE_GROUP // 2
     paired_tile = grid_gemm._paired_tile
 
@@ -264,12 +358,14 @@ def gemm_all_rows(
     ) -> None:
         prefetch_all(given)  # in the fused step, rows every worker wrote a share of
         m = given.shape[0]
+        folded = scale_layout(scales) != NO_SUPER  # a constant of the scales' type
+        block = grid_gemm.SUPER_BLOCK if folded else BLOCK
         row_codes = np.empty((m, k), dtype=np.int8)
-        row_scales = np.empty((m, k // BLOCK), dtype=np.float32)
+        row_scales = np.empty((m, k // block), dtype=np.float32)
         row_sums = np.empty((m, k // run), dtype=np.float32)
         quantize_rows(given, row_codes, row_scales, row_sums)
-        row_ints = np.zeros((m, k // run if six else 0), dtype=np.int32)
-        if six:
+        row_ints = np.zeros((m, k // run if six or folded else 0), dtype=np.int32)
+        if six or folded:
             run_code_sums(row_codes, row_ints)
         words = row_codes.view(np.int32)
         tiles = codes.shape[0]
@@ -294,7 +390,35 @@ def gemm_all_rows(
                         else:
                             t = o = group * group_tiles + b
                             target, add_here = out, add
-                        if rows == ROWS:
+                        if folded:
+                            if rows == ROWS:
+                                super_many(
+                                    words,
+                                    row_scales,
+                                    row_ints,
+                                    codes,
+                                    scales,
+                                    t,
+                                    r0,
+                                    target,
+                                    o,
+                                    add_here,
+                                )
+                            else:
+                                for r in range(r0, r0 + rows):
+                                    super_one(
+                                        words,
+                                        row_scales,
+                                        row_ints,
+                                        codes,
+                                        scales,
+                                        t,
+                                        r,
+                                        target,
+                                        o,
+                                        add_here,
+                                    )
+                        elif rows == ROWS:
                             many(
                                 words,
                                 row_scales,
@@ -354,6 +478,135 @@ def silu_chunk(
             lanes_copy(out[r, first + j], result[(r * tiles + j) * LANES :], LANES)
 
 
+# -- super-block scales folded into the integer sums ---------------------------------------
+# A GGUF K-quant's weight is d * scale * q - dmin * min in each run, with d and dmin shared
+# by a super-block of 256 inputs and integer scale and min per run. With rows quantised per
+# super-block (one s per 256 inputs, as llama.cpp's q8_K), each run's byte products are
+# multiplied by their integer scale in the widening (vpmaddwd) and summed in 32 bits over
+# the super-block; d * s and -dmin * s multiply two integer sums once per super-block.
+
+NO_SUPER, SUPER_SCALES, SUPER_MINS = 0, 1, 2
+
+
+def _layout_of(scales: Any) -> int:
+    if isinstance(scales, types.Array) and scales.ndim == 3:
+        if scales.dtype == types.uint8:
+            return SUPER_MINS
+        if scales.dtype == types.int8:
+            return SUPER_SCALES
+    return NO_SUPER
+
+
+@intrinsic
+def scale_layout(typingctx: Any, scales: Any) -> Any:
+    """NO_SUPER, SUPER_SCALES or SUPER_MINS (`grid_gemm.super_layout`), a constant of the
+    scales' type that the compiled branches on it fold away."""
+    layout = _layout_of(scales)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return ir.Constant(ir.IntType(64), layout)
+
+    return types.int64(scales), codegen
+
+
+@intrinsic
+def int_lanes_fma(typingctx: Any, acc: Any, x: Any, n: Any) -> Any:
+    """acc[:16] += x[:16] * n, in int32 (acc, x: int32 lanes; n an integer)."""
+    if not (_int_lanes(acc) and _int_lanes(x) and isinstance(n, types.Integer)):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        vector = ir.VectorType(ir.IntType(32), LANES)
+        target = _lanes_pointer(context, builder, signature.args[0], args[0])
+        x_ = builder.load(_lanes_pointer(context, builder, signature.args[1], args[1]), align=4)
+        one = context.cast(builder, args[2], signature.args[2], types.int32)
+        spread = builder.shuffle_vector(
+            builder.insert_element(ir.Constant(vector, ir.Undefined), one, ir.IntType(32)(0)),
+            ir.Constant(vector, ir.Undefined),
+            ir.Constant(vector, [0] * LANES),
+        )
+        total = builder.add(builder.load(target, align=4), builder.mul(x_, spread))
+        builder.store(total, target, align=4)
+        return context.get_dummy_value()
+
+    return types.void(acc, x, n), codegen
+
+
+@intrinsic
+def super_scales(
+    typingctx: Any,
+    pairs: Any,
+    plain: Any,
+    mins: Any,
+    heads: Any,
+    scales: Any,
+    t: Any,
+    sb: Any,
+    runs: Any,
+) -> Any:
+    """Super-block sb of tile t of SUPER scales, for each of its `runs` runs j (a
+    compile-time constant): plain[j] the 16 lanes'
+    integer scales, pairs[j] each in both 16-bit halves of its lane (as vpmaddwd takes it),
+    mins[j] the lanes' mins (SUPER_MINS only); heads[0] the lanes' d and heads[1] their
+    dmin (0 without mins), fp32. Nothing for scales of another layout."""
+    layout = _layout_of(scales)
+    if not (
+        all(isinstance(a, types.Array) and a.dtype == types.int32 for a in (pairs, plain, mins))
+        and isinstance(heads, types.Array)
+        and heads.dtype == types.float32
+        and isinstance(runs, types.IntegerLiteral)
+    ):
+        return None
+    run_count = runs.literal_value
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        if layout == NO_SUPER:
+            return context.get_dummy_value()
+        i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+        bytes16 = ir.VectorType(i8, LANES)
+        ints = ir.VectorType(i32, LANES)
+        floats = ir.VectorType(ir.FloatType(), LANES)
+        scales_type = signature.args[4]
+        array = context.make_array(scales_type)(context, builder, args[4])
+        t_, sb_ = (context.cast(builder, args[i], signature.args[i], types.int64) for i in (5, 6))
+        base = cgutils.get_item_pointer(context, builder, scales_type, array, [t_, sb_, i64(0)])
+        base = builder.bitcast(base, ir.IntType(8).as_pointer())
+        head, per_run = (4 * LANES, 2 * LANES) if layout == SUPER_MINS else (2 * LANES, LANES)
+
+        def at(offset: int, element: ir.Type) -> Any:
+            pointer = builder.gep(base, [i64(offset)])
+            return builder.load(builder.bitcast(pointer, element.as_pointer()), align=1)
+
+        def row_of(index: int, j: int) -> Any:
+            data = context.make_array(signature.args[index])(context, builder, args[index]).data
+            return builder.bitcast(builder.gep(data, [i64(j * LANES)]), ints.as_pointer())
+
+        def half_floats(offset: int) -> Any:
+            raw = builder.bitcast(
+                at(offset, ir.VectorType(i16, LANES)), ir.VectorType(ir.HalfType(), LANES)
+            )
+            return builder.fpext(raw, floats)
+
+        heads_data = context.make_array(signature.args[3])(context, builder, args[3]).data
+        d_at = builder.bitcast(heads_data, floats.as_pointer())
+        builder.store(half_floats(0), d_at, align=4)
+        dmin = half_floats(2 * LANES) if layout == SUPER_MINS else ir.Constant(floats, None)
+        builder.store(dmin, builder.gep(d_at, [i64(1)]), align=4)
+        sixteen = ir.Constant(ints, [16] * LANES)
+        mask = ir.Constant(ints, [0xFFFF] * LANES)
+        for j in range(run_count):
+            scale = builder.sext(at(head + j * per_run, bytes16), ints)
+            builder.store(scale, row_of(1, j), align=4)
+            pair = builder.or_(builder.and_(scale, mask), builder.shl(scale, sixteen))
+            builder.store(pair, row_of(0, j), align=4)
+            if layout == SUPER_MINS:
+                least = builder.zext(at(head + j * per_run + LANES, bytes16), ints)
+                builder.store(least, row_of(2, j), align=4)
+        return context.get_dummy_value()
+
+    return types.void(pairs, plain, mins, heads, scales, t, sb, runs), codegen
+
+
 # -- byte products ------------------------------------------------------------------------
 
 
@@ -378,31 +631,41 @@ def _spread(context: Any, builder: Any, word: Any, word_type: Any) -> Any:
     return builder.bitcast(spread, ir.VectorType(ir.IntType(8), 4 * LANES))
 
 
-def _madd(builder: Any, acc: Any, *pairs: tuple[Any, Any]) -> Any:
+def _madd(builder: Any, acc: Any, *pairs: tuple[Any, Any], scales: Any = None) -> Any:
     """acc (16 int32 lanes) + the sums of each lane's 4 products of unsigned bytes by signed
-    bytes (64 each) of every pair (unsigned, signed): vpdpbusd with AVX-512 VNNI, else
-    vpmaddubsw and vpmaddwd by ones on AVX2's 256-bit halves (all the pairs' 16-bit sums
-    added before one vpmaddwd: the callers keep them in 16 bits, as a run of 4-bit codes,
-    8 * 2 * 15 * 127 at most), else plain integer vector code."""
+    bytes (64 each) of every pair (unsigned, signed), times the lane's scale where scales
+    (16 int32 lanes, each scale in both 16-bit halves: `super_scales`) is given:
+    vpdpbusd with AVX-512 VNNI, else vpmaddubsw and vpmaddwd by ones (or the scales) on
+    AVX2's 256-bit halves (all the pairs' 16-bit sums added before one vpmaddwd: the
+    callers keep them in 16 bits, as a run of 4-bit codes, 8 * 2 * 15 * 127 at most), else
+    plain integer vector code."""
     i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
     vector = ir.VectorType(i32, LANES)
-    if VNNI:
-        function = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(vector, [vector] * 3), "llvm.x86.avx512.vpdpbusd.512"
-        )
-        for unsigned, signed in pairs:
-            acc = builder.call(
-                function, [acc, builder.bitcast(unsigned, vector), builder.bitcast(signed, vector)]
+    if VNNI or not AVX2:
+        sum_of = ir.Constant(vector, None) if scales is not None else acc
+        if VNNI:
+            function = cgutils.get_or_insert_function(
+                builder.module,
+                ir.FunctionType(vector, [vector] * 3),
+                "llvm.x86.avx512.vpdpbusd.512",
             )
-        return acc
-    if not AVX2:
-        wide = ir.VectorType(i32, 4 * LANES)
-        for unsigned, signed in pairs:
-            products = builder.mul(builder.zext(unsigned, wide), builder.sext(signed, wide))
-            for i in range(4):
-                part = ir.Constant(vector, list(range(i, 4 * LANES, 4)))
-                acc = builder.add(acc, builder.shuffle_vector(products, products, part))
-        return acc
+            for unsigned, signed in pairs:
+                sum_of = builder.call(
+                    function,
+                    [sum_of, builder.bitcast(unsigned, vector), builder.bitcast(signed, vector)],
+                )
+        else:
+            wide = ir.VectorType(i32, 4 * LANES)
+            for unsigned, signed in pairs:
+                products = builder.mul(builder.zext(unsigned, wide), builder.sext(signed, wide))
+                for i in range(4):
+                    part = ir.Constant(vector, list(range(i, 4 * LANES, 4)))
+                    sum_of = builder.add(sum_of, builder.shuffle_vector(products, products, part))
+        if scales is None:
+            return sum_of
+        sixteen = ir.Constant(vector, [16] * LANES)
+        scale = builder.ashr(builder.shl(scales, sixteen), sixteen)
+        return builder.add(acc, builder.mul(sum_of, scale))
     half_bytes, half_words = ir.VectorType(i8, 2 * LANES), ir.VectorType(i16, LANES)
     half_ints = ir.VectorType(i32, LANES // 2)
     pair_sums = cgutils.get_or_insert_function(
@@ -421,6 +684,9 @@ def _madd(builder: Any, acc: Any, *pairs: tuple[Any, Any]) -> Any:
         part = ir.Constant(
             ir.VectorType(i32, 2 * LANES), list(range(h * 2 * LANES, (h + 1) * 2 * LANES))
         )
+        if scales is not None:
+            lanes = ir.Constant(ir.VectorType(i32, LANES // 2), list(range(h * 8, h * 8 + 8)))
+            ones = builder.bitcast(builder.shuffle_vector(scales, scales, lanes), half_words)
         products = None
         for unsigned, signed in pairs:
             product = builder.call(
@@ -465,20 +731,29 @@ def _with_signs(builder: Any, row: Any, q: Any) -> Any:
 
 @intrinsic
 def dot_signed_run(
-    typingctx: Any, sums: Any, words: Any, r: Any, codes: Any, t: Any, g0: Any, count: Any
+    typingctx: Any,
+    sums: Any,
+    words: Any,
+    r: Any,
+    codes: Any,
+    t: Any,
+    g0: Any,
+    count: Any,
+    scales: Any,
 ) -> Any:
     """sums[l] += a run's products of signed 8-bit codes (words g0 .. g0 + count - 1 of
     tile t of codes: int32 [tiles, K / 4, 16], each 4 inputs' codes of a lane) by row r
     of a rows' int8 codes (words: int32 [M, K / 4]); count a compile-time constant. Each
     product: a code's magnitude (unsigned: -128 gives 128) times the row's byte with the
     code's sign (0 where the code is 0); each word widens on its own (a pair of products
-    fills 16 bits)."""
+    fills 16 bits). scales: None, or each lane's scale of the run (`_madd`)."""
     if not (
         _int_lanes(sums)
         and _int_arrays(words, 2)
         and _int_arrays(codes, 3)
         and all(isinstance(i, types.Integer) for i in (r, t, g0))
         and isinstance(count, types.IntegerLiteral)
+        and _scales_or_none(scales)
     ):
         return None
     words_count = count.literal_value
@@ -487,6 +762,7 @@ def dot_signed_run(
         bytes_type = ir.VectorType(ir.IntType(8), 4 * LANES)
         zero = ir.Constant(bytes_type, None)
         read = _RunReader(context, builder, signature, args)
+        lane_scales = _load_scales(context, builder, signature.args[7], args[7])
         target = _lanes_pointer(context, builder, signature.args[0], args[0])
         acc = builder.load(target, align=4)
         for j in range(words_count):
@@ -494,11 +770,23 @@ def dot_signed_run(
             negative = builder.icmp_signed("<", q, zero)
             magnitude = builder.select(negative, builder.sub(zero, q), q)
             row = read.row(read.g(j))
-            acc = _madd(builder, acc, (magnitude, _with_signs(builder, row, q)))
+            pair = (magnitude, _with_signs(builder, row, q))
+            acc = _madd(builder, acc, pair, scales=lane_scales)
         builder.store(acc, target, align=4)
         return context.get_dummy_value()
 
-    return types.void(sums, words, r, codes, t, g0, count), codegen
+    return types.void(sums, words, r, codes, t, g0, count, scales), codegen
+
+
+def _scales_or_none(t: Any) -> bool:
+    return isinstance(t, types.NoneType) or _int_lanes(t)
+
+
+def _load_scales(context: Any, builder: Any, array_type: Any, array: Any) -> Any:
+    """A run's lane scales (16 int32 lanes) from an array, or None for None."""
+    if isinstance(array_type, types.NoneType):
+        return None
+    return builder.load(_lanes_pointer(context, builder, array_type, array), align=4)
 
 
 def _int_arrays(t: Any, ndim: int) -> bool:
@@ -543,17 +831,27 @@ class _RunReader:
 
 @intrinsic
 def dot_six(
-    typingctx: Any, sums: Any, w0: Any, w1: Any, w2: Any, w3: Any, low0: Any, low1: Any, high: Any
+    typingctx: Any,
+    sums: Any,
+    w0: Any,
+    w1: Any,
+    w2: Any,
+    w3: Any,
+    low0: Any,
+    low1: Any,
+    high: Any,
+    scales: Any,
 ) -> Any:
     """sums[l] += the products of 16 inputs' 6-bit codes (DOT6_FINE's three words of lane
     l: low0, low1, high; unsigned 0..63) by a row's int8 codes in words w0 .. w3 (inputs
     0-3, 4-7, 8-11, 12-15). Two inputs' pairs add in 16 bits before each widening, at
-    most 4 * 63 * 127."""
+    most 4 * 63 * 127. scales: None, or each lane's scale of the run (`_madd`)."""
     words = (w0, w1, w2, w3)
     if not (
         _int_lanes(sums)
         and all(isinstance(w, types.Integer) for w in words)
         and all(_int_lanes(c) for c in (low0, low1, high))
+        and _scales_or_none(scales)
     ):
         return None
 
@@ -584,23 +882,33 @@ def dot_six(
             ),
         ]
         rows = [_spread(context, builder, args[1 + j], signature.args[1 + j]) for j in range(4)]
+        lane_scales = _load_scales(context, builder, signature.args[8], args[8])
         acc = builder.load(target, align=4)
-        acc = _madd(builder, acc, (codes[0], rows[0]), (codes[1], rows[1]))
-        acc = _madd(builder, acc, (codes[2], rows[2]), (codes[3], rows[3]))
+        acc = _madd(builder, acc, (codes[0], rows[0]), (codes[1], rows[1]), scales=lane_scales)
+        acc = _madd(builder, acc, (codes[2], rows[2]), (codes[3], rows[3]), scales=lane_scales)
         builder.store(acc, target, align=4)
         return context.get_dummy_value()
 
-    return types.void(sums, w0, w1, w2, w3, low0, low1, high), codegen
+    return types.void(sums, w0, w1, w2, w3, low0, low1, high, scales), codegen
 
 
 @intrinsic
 def dot_nibble_run(
-    typingctx: Any, sums: Any, words: Any, r: Any, codes: Any, t: Any, g0: Any, count: Any
+    typingctx: Any,
+    sums: Any,
+    words: Any,
+    r: Any,
+    codes: Any,
+    t: Any,
+    g0: Any,
+    count: Any,
+    scales: Any,
 ) -> Any:
     """sums[l] += a run's products (DOT4 words g0 .. g0 + count - 1 of tile t of codes:
     int32 [tiles, K / 8, 16]; count a compile-time constant, at most 4) by row r of a
     rows' int8 codes (words: int32 [M, K / 4]). A lane's byte-pair sums, 2 a word, add in
-    16 bits (at most 8 * 2 * 15 * 127) before one widening a run."""
+    16 bits (at most 8 * 2 * 15 * 127) before one widening a run. scales: None, or each
+    lane's scale of the run (`_madd`)."""
     if not (
         _int_lanes(sums)
         and _int_arrays(words, 2)
@@ -608,6 +916,7 @@ def dot_nibble_run(
         and all(isinstance(i, types.Integer) for i in (r, t, g0))
         and isinstance(count, types.IntegerLiteral)
         and count.literal_value <= 4
+        and _scales_or_none(scales)
     ):
         return None
     words_count = count.literal_value
@@ -625,8 +934,9 @@ def dot_nibble_run(
             pairs.append((builder.and_(q, mask), read.row(low_word)))
             pairs.append((builder.lshr(q, four), read.row(high_word)))
         target = _lanes_pointer(context, builder, signature.args[0], args[0])
-        acc = _madd(builder, builder.load(target, align=4), *pairs)
+        lane_scales = _load_scales(context, builder, signature.args[7], args[7])
+        acc = _madd(builder, builder.load(target, align=4), *pairs, scales=lane_scales)
         builder.store(acc, target, align=4)
         return context.get_dummy_value()
 
-    return types.void(sums, words, r, codes, t, g0, count), codegen
+    return types.void(sums, words, r, codes, t, g0, count, scales), codegen

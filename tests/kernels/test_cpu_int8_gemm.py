@@ -20,11 +20,12 @@ from pagedinfer.service import gguf_quants
 FIELDS = {**FP16_FIELDS, "Q4_0": (0,), "Q8_0": (0,), "Q5_0": (0,)}
 
 
-def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """llama.cpp's q8_0 rounding of fp32 rows [M, K] per block of 32 (its AVX2 code): codes
-    rint(x * (127 / max |x|)), ties to even, and scales max |x| / 127, both in fp32."""
+def quantize(x: np.ndarray, block: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's q8_0 rounding of fp32 rows [M, K] per block of 32 (its AVX2 code; a
+    K-quant's weight takes blocks of 256, as q8_K): codes rint(x * (127 / max |x|)), ties
+    to even, and scales max |x| / 127, both in fp32."""
     m, k = x.shape
-    blocks = x.reshape(m, k // 32, 32)
+    blocks = x.reshape(m, k // block, block)
     largest = np.abs(blocks).max(axis=2)
     scales = (largest / np.float32(127)).astype(np.float32)
     with np.errstate(divide="ignore"):
@@ -36,7 +37,10 @@ def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def reference(grid: grid_gemm.GridWeight, x: np.ndarray) -> np.ndarray:
     """The integer GEMM's outputs [M, N], in numpy: per run of the grid (16 or 32 inputs)
     the int64 dot product of its codes and the row's codes, then, in K order from 0,
-    total = fma(fp32(dot), fp32(d * s), total) and total = fma(m, fp32(s * sum(a)), total)."""
+    total = fma(fp32(dot), fp32(d * s), total) and total = fma(m, fp32(s * sum(a)), total).
+    A weight of SUPER scales (a K-quant's): `super_reference`."""
+    if grid_gemm.super_layout(grid.scales) is not None:
+        return super_reference(grid, x)
     a, s = quantize(x)
     q = grid_gemm._codes(grid.kind, grid.codes).astype(np.int64)  # [tiles, K, 16]
     dm = grid_gemm._fp32_scales(grid.scales)  # [tiles, runs, 2, 16]
@@ -54,6 +58,51 @@ def reference(grid: grid_gemm.GridWeight, x: np.ndarray) -> np.ndarray:
         scale = (d[None, :, b] * row_s).astype(np.float32)
         total = fma32(dots.astype(np.float32), scale, total)
         total = fma32(np.broadcast_to(offset[None, :, b], total.shape), sums, total)
+    return total
+
+
+def super_reference(grid: grid_gemm.GridWeight, x: np.ndarray) -> np.ndarray:
+    """The integer GEMM's outputs [M, N] for a weight of SUPER scales, in numpy: rows
+    quantised per super-block of 256 (scale s), and per super-block in K order the int64
+    sums I = sum over runs of scale * (q . a) and I_min = sum of min * sum(a), then
+    total = fma(fp32(I), fp32(d * s), total) and, with mins,
+    total = fma(fp32(I_min), fp32(dmin * -s), total)."""
+    a, s = quantize(x, block=grid_gemm.SUPER_BLOCK)
+    head, per_run = grid_gemm.super_layout(grid.scales)
+    q = grid_gemm._codes(grid.kind, grid.codes).astype(np.int64)  # [tiles, K, 16]
+    tiles, k = q.shape[:2]
+    raw = grid.scales.view(np.uint8)  # [tiles, supers, bytes]
+    supers = raw.shape[1]
+    runs = (raw.shape[2] - head) // per_run
+    run = grid_gemm.SUPER_BLOCK // runs
+
+    def lanes(part: np.ndarray) -> np.ndarray:  # [tiles, supers, (runs,) 16] -> [.., N]
+        return np.moveaxis(part, 0, -2).reshape(*part.shape[1:-1], tiles * 16)
+
+    d = lanes(np.ascontiguousarray(raw[:, :, : 2 * 16]).view(np.float16).astype(np.float32))
+    body = raw[:, :, head:].reshape(tiles, supers, runs, per_run)
+    scale = lanes(body[..., :16].view(np.int8).astype(np.int64))  # [supers, runs, N]
+    mins = per_run == 2 * 16
+    if mins:
+        dmin = np.ascontiguousarray(raw[:, :, 2 * 16 : 4 * 16]).view(np.float16)
+        dmin = lanes(dmin.astype(np.float32))
+        least = lanes(body[..., 16:].astype(np.int64))
+    q = q.transpose(0, 2, 1).reshape(tiles * 16, k)
+    total = np.zeros((x.shape[0], q.shape[0]), dtype=np.float32)
+    for sb in range(supers):
+        ints = np.zeros(total.shape, dtype=np.int64)
+        ints_min = np.zeros(total.shape, dtype=np.int64)
+        for j in range(runs):
+            part = slice((sb * runs + j) * run, (sb * runs + j + 1) * run)
+            row = a[:, part].astype(np.int64)
+            ints += (row @ q[:, part].T) * scale[sb, j][None]
+            if mins:
+                ints_min += row.sum(axis=1, keepdims=True) * least[sb, j][None]
+        row_s = s[:, sb, None]
+        total = fma32(ints.astype(np.float32), (d[sb][None] * row_s).astype(np.float32), total)
+        if mins:
+            factor = (dmin[sb][None] * -row_s).astype(np.float32)
+            total = fma32(ints_min.astype(np.float32), factor, total)
     return total
 
 
