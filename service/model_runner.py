@@ -127,6 +127,20 @@ def child_compile_fits(config: EngineConfig, block_bytes: int, model: ModelConfi
     return memory.child_compile_fits(host, footprint, **sizes)
 
 
+def weights_identity(config: ModelConfig, path: Path, block_size: int, dtype: torch.dtype) -> str:
+    """What the CPU executor's built weights for the model in `path` follow: its shapes and
+    features (not its name or context length), the dtype, the block size, and its weights,
+    by their files' names, sizes and times (not by where the directory lies, which a cache
+    moves)."""
+    fields = dataclasses.asdict(config)
+    for unrelated in ("name", "eos_token_ids"):
+        fields.pop(unrelated, None)
+    weights = sorted(
+        f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in path.glob("*.safetensors")
+    )
+    return repr((sorted(fields.items()), str(dtype), block_size, path.name, weights))
+
+
 def kernel_set_identity(
     config: ModelConfig,
     path: Path,
@@ -134,26 +148,19 @@ def kernel_set_identity(
     dtype: torch.dtype,
     gguf_activations: str = "fp32",
 ) -> str:
-    """What picks the CPU kernels' variants for the model in `path`: its shapes and
-    features (not its name or context length), the dtype, the block size, how quantised
-    weights multiply (`EngineConfig.gguf_activations`), and its weights, by their files'
-    names, sizes and times (not by where the directory lies, which a cache moves)."""
-    fields = dataclasses.asdict(config)
-    for unrelated in ("name", "eos_token_ids"):
-        fields.pop(unrelated, None)
-    weights = sorted(
-        f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in path.glob("*.safetensors")
-    )
-    return repr(
-        (sorted(fields.items()), str(dtype), block_size, path.name, weights, gguf_activations)
-    )
+    """What picks the CPU kernels' variants for the model in `path`: what its built
+    weights follow (`weights_identity`) and how quantised weights multiply
+    (`EngineConfig.gguf_activations`)."""
+    return repr((weights_identity(config, path, block_size, dtype), gguf_activations))
 
 
-def weights_store(kernel_set: str) -> Path | None:
-    """The file that keeps the CPU executor's built weights for `kernel_set`."""
+def weights_store(identity: str) -> Path | None:
+    """The file that keeps the CPU executor's built weights of `weights_identity`: the
+    grids as chosen before `gguf_activations` picks their kernels, so one copy serves
+    either setting."""
     from pagedinfer.kernels import cpu
 
-    return cpu.weights_file(kernel_set, cache_dir() / "cpu-weights")
+    return cpu.weights_file(identity, cache_dir() / "cpu-weights")
 
 
 def served_from_store(
@@ -170,7 +177,7 @@ def served_from_store(
     if not cpu.supports(config):
         return False
     kernel_set = kernel_set_identity(config, path, block_size, dtype, gguf_activations)
-    store = weights_store(kernel_set)
+    store = weights_store(weights_identity(config, path, block_size, dtype))
     return store is not None and store.is_file() and cpu.compiled_before(kernel_set)
 
 
@@ -224,7 +231,9 @@ class ModelRunner:
 
             cached = cpu.compiled_before(self._kernel_set)
             background = config.compile_in_background and not cached
-            store = weights_store(self._kernel_set)
+            store = weights_store(
+                weights_identity(cfg, loaded.path, config.block_size, loaded_dtype)
+            )
             block_bytes = kv_block_bytes(loaded, config.block_size, self.kv_dtype)
             first = (
                 background

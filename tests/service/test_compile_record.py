@@ -107,7 +107,11 @@ def test_the_kernel_set_follows_the_weights_not_where_the_cache_lies(
 
     import torch
 
-    from pagedinfer.service.model_runner import kernel_set_identity
+    from pagedinfer.service.model_runner import (
+        kernel_set_identity,
+        weights_identity,
+        weights_store,
+    )
     from pagedinfer.service.models.hf_config import model_config_from_hf
 
     source = make_tiny_model("llama")
@@ -119,6 +123,13 @@ def test_the_kernel_set_follows_the_weights_not_where_the_cache_lies(
 
     assert identity(moved) == identity(source)
     assert identity(source, torch.bfloat16) != identity(source)
+    # int8 products pick other kernels over the same stored grids: one store, two sets
+    int8_set = kernel_set_identity(config, source, 16, torch.float32, "int8")
+    assert int8_set != identity(source)
+    assert weights_store(weights_identity(config, source, 16, torch.float32)) == weights_store(
+        weights_identity(config, moved, 16, torch.float32)
+    )
+    assert weights_identity(config, source, 16, torch.float32) in int8_set
     weights = next(moved.glob("*.safetensors"))
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
     assert identity(moved) != identity(source)
