@@ -206,28 +206,22 @@ def _pass(kind: str, rows: int, in_features: int) -> Callable[..., None]:
                 for lane in range(LANES):
                     sums[r, lane] = start
             if six:
-                for r in range(rows):
-                    dot_six(
-                        sums[r],
-                        words[r0 + r, 4 * b],
-                        words[r0 + r, 4 * b + 1],
-                        words[r0 + r, 4 * b + 2],
-                        words[r0 + r, 4 * b + 3],
-                        codes[t, 3 * b],
-                        codes[t, 3 * b + 1],
-                        codes[t, 3 * b + 2],
-                        None,
-                    )
+                dot_six_rows(sums, words, r0, codes, t, b, None, rows)
+            elif nibbles:
+                dot_nibble_rows(sums, words, r0, codes, t, b * code_words, code_words, None, rows)
             else:
-                for r in range(rows):
-                    if nibbles:
-                        dot_nibble_run(
-                            sums[r], words, r0 + r, codes, t, b * code_words, code_words, None
-                        )
-                    else:
-                        dot_signed_run(
-                            sums[r], words, r0 + r, codes, t, b * code_words, code_words, None
-                        )
+                for r in range(rows):  # a row at a time: faster here than all the rows
+                    dot_signed_rows(
+                        sums[r : r + 1],
+                        words,
+                        r0 + r,
+                        codes,
+                        t,
+                        b * code_words,
+                        code_words,
+                        None,
+                        1,
+                    )
             for r in range(rows):
                 lanes_mul(scale, dm[0], row_scales[r0 + r, b // runs_per_block], LANES)
                 fma_ints(total[r], sums[r], scale)
@@ -287,28 +281,19 @@ def _super_pass(kind: str, rows: int, in_features: int) -> Callable[..., None]:
             least[:] = 0
             for j in range(runs):
                 b = sb * runs + j
+                if nibbles:
+                    dot_nibble_rows(
+                        sums, words, r0, codes, t, b * code_words, code_words, pairs[j], rows
+                    )
+                elif six:
+                    dot_six_rows(sums, words, r0, codes, t, b, pairs[j], rows)
+                else:
+                    dot_signed_rows(
+                        sums, words, r0, codes, t, b * code_words, code_words, pairs[j], rows
+                    )
                 for r in range(rows):
                     if six:
-                        dot_six(
-                            sums[r],
-                            words[r0 + r, 4 * b],
-                            words[r0 + r, 4 * b + 1],
-                            words[r0 + r, 4 * b + 2],
-                            words[r0 + r, 4 * b + 3],
-                            codes[t, 3 * b],
-                            codes[t, 3 * b + 1],
-                            codes[t, 3 * b + 2],
-                            pairs[j],
-                        )
                         int_lanes_fma(sums[r], plain[j], -zero * row_ints[r0 + r, b])
-                    elif nibbles:
-                        dot_nibble_run(
-                            sums[r], words, r0 + r, codes, t, b * code_words, code_words, pairs[j]
-                        )
-                    else:
-                        dot_signed_run(
-                            sums[r], words, r0 + r, codes, t, b * code_words, code_words, pairs[j]
-                        )
                     if with_mins:
                         int_lanes_fma(least[r], mins[j], row_ints[r0 + r, b])
             for r in range(rows):
@@ -730,52 +715,66 @@ def _with_signs(builder: Any, row: Any, q: Any) -> Any:
 
 
 @intrinsic
-def dot_signed_run(
+def dot_signed_rows(
     typingctx: Any,
     sums: Any,
     words: Any,
-    r: Any,
+    r0: Any,
     codes: Any,
     t: Any,
     g0: Any,
     count: Any,
     scales: Any,
+    rows: Any,
 ) -> Any:
-    """sums[l] += a run's products of signed 8-bit codes (words g0 .. g0 + count - 1 of
-    tile t of codes: int32 [tiles, K / 4, 16], each 4 inputs' codes of a lane) by row r
-    of a rows' int8 codes (words: int32 [M, K / 4]); count a compile-time constant. Each
-    product: a code's magnitude (unsigned: -128 gives 128) times the row's byte with the
-    code's sign (0 where the code is 0); each word widens on its own (a pair of products
-    fills 16 bits). scales: None, or each lane's scale of the run (`_madd`)."""
+    """sums[r, l] += a run's products of signed 8-bit codes (words g0 .. g0 + count - 1 of
+    tile t of codes: int32 [tiles, K / 4, 16], each 4 inputs' codes of a lane) by row
+    r0 + r of a rows' int8 codes (words: int32 [M, K / 4]), for each of `rows` rows;
+    count and rows compile-time constants. Each product: a code's magnitude (unsigned:
+    -128 gives 128) times the row's byte with the code's sign (0 where the code is 0);
+    each word widens on its own (a pair of products fills 16 bits). A word's magnitudes
+    are taken once for all the rows. scales: None, or each lane's scale of the run
+    (`_madd`)."""
     if not (
-        _int_lanes(sums)
+        isinstance(sums, types.Array)
+        and sums.ndim == 2
+        and sums.dtype == types.int32
         and _int_arrays(words, 2)
         and _int_arrays(codes, 3)
-        and all(isinstance(i, types.Integer) for i in (r, t, g0))
+        and all(isinstance(i, types.Integer) for i in (r0, t, g0))
         and isinstance(count, types.IntegerLiteral)
         and _scales_or_none(scales)
+        and isinstance(rows, types.IntegerLiteral)
     ):
         return None
-    words_count = count.literal_value
+    words_count, row_count = count.literal_value, rows.literal_value
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i64 = ir.IntType(64)
         bytes_type = ir.VectorType(ir.IntType(8), 4 * LANES)
+        vector = ir.VectorType(ir.IntType(32), LANES)
         zero = ir.Constant(bytes_type, None)
         read = _RunReader(context, builder, signature, args)
         lane_scales = _load_scales(context, builder, signature.args[7], args[7])
-        target = _lanes_pointer(context, builder, signature.args[0], args[0])
-        acc = builder.load(target, align=4)
+        sums_data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        targets = [
+            builder.bitcast(builder.gep(sums_data, [i64(r * LANES)]), vector.as_pointer())
+            for r in range(row_count)
+        ]
+        acc = [builder.load(target, align=4) for target in targets]
         for j in range(words_count):
             q = read.codes(j)
             negative = builder.icmp_signed("<", q, zero)
             magnitude = builder.select(negative, builder.sub(zero, q), q)
-            row = read.row(read.g(j))
-            pair = (magnitude, _with_signs(builder, row, q))
-            acc = _madd(builder, acc, pair, scales=lane_scales)
-        builder.store(acc, target, align=4)
+            for r in range(row_count):
+                row = read.row(read.g(j), r)
+                pair = (magnitude, _with_signs(builder, row, q))
+                acc[r] = _madd(builder, acc[r], pair, scales=lane_scales)
+        for r in range(row_count):
+            builder.store(acc[r], targets[r], align=4)
         return context.get_dummy_value()
 
-    return types.void(sums, words, r, codes, t, g0, count, scales), codegen
+    return types.void(sums, words, r0, codes, t, g0, count, scales, rows), codegen
 
 
 def _scales_or_none(t: Any) -> bool:
@@ -821,53 +820,71 @@ class _RunReader:
             builder.load(lanes, align=4), ir.VectorType(ir.IntType(8), 4 * LANES)
         )
 
-    def row(self, w: Any) -> Any:
-        """Row r's word w (an i64 value) in every lane, as 64 bytes."""
+    def row(self, w: Any, offset: int = 0) -> Any:
+        """Row r + offset's word w (an i64 value) in every lane, as 64 bytes."""
+        row = self.builder.add(self.r, ir.IntType(64)(offset))
         pointer = cgutils.get_item_pointer(
-            self.context, self.builder, self.words_type, self.words, [self.r, w]
+            self.context, self.builder, self.words_type, self.words, [row, w]
         )
         return _spread(self.context, self.builder, self.builder.load(pointer), types.int32)
 
 
 @intrinsic
-def dot_six(
+def dot_six_rows(
     typingctx: Any,
     sums: Any,
-    w0: Any,
-    w1: Any,
-    w2: Any,
-    w3: Any,
-    low0: Any,
-    low1: Any,
-    high: Any,
+    words: Any,
+    r0: Any,
+    codes: Any,
+    t: Any,
+    b: Any,
     scales: Any,
+    rows: Any,
 ) -> Any:
-    """sums[l] += the products of 16 inputs' 6-bit codes (DOT6_FINE's three words of lane
-    l: low0, low1, high; unsigned 0..63) by a row's int8 codes in words w0 .. w3 (inputs
-    0-3, 4-7, 8-11, 12-15). Two inputs' pairs add in 16 bits before each widening, at
-    most 4 * 63 * 127. scales: None, or each lane's scale of the run (`_madd`)."""
-    words = (w0, w1, w2, w3)
+    """sums[r, l] += the products of run b's 16 inputs' 6-bit codes (DOT6_FINE's three
+    words 3b .. 3b + 2 of lane l of tile t: two of low nibbles, one of high 2 bits;
+    unsigned 0..63) by row r0 + r's int8 codes (words 4b .. 4b + 3 of words: int32
+    [M, K / 4]), for each of `rows` rows (a compile-time constant): the codes unpacked
+    once for all the rows. Two inputs' pairs add in 16 bits before each widening, at most
+    4 * 63 * 127. scales: None, or each lane's scale of the run (`_madd`)."""
     if not (
-        _int_lanes(sums)
-        and all(isinstance(w, types.Integer) for w in words)
-        and all(_int_lanes(c) for c in (low0, low1, high))
+        isinstance(sums, types.Array)
+        and sums.ndim == 2
+        and sums.dtype == types.int32
+        and _int_arrays(words, 2)
+        and _int_arrays(codes, 3)
+        and all(isinstance(i, types.Integer) for i in (r0, t, b))
         and _scales_or_none(scales)
+        and isinstance(rows, types.IntegerLiteral)
     ):
         return None
+    row_count = rows.literal_value
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i64 = ir.IntType(64)
         bytes_type = ir.VectorType(ir.IntType(8), 4 * LANES)
+        vector = ir.VectorType(ir.IntType(32), LANES)
+        words_type, codes_type = signature.args[1], signature.args[3]
+        words = context.make_array(words_type)(context, builder, args[1])
+        code_words = context.make_array(codes_type)(context, builder, args[3])
+        r0_, t_, b_ = (
+            context.cast(builder, args[i], signature.args[i], types.int64) for i in (2, 4, 5)
+        )
+        sums_data = context.make_array(signature.args[0])(context, builder, args[0]).data
 
         def splat(value: int) -> Any:
             return ir.Constant(bytes_type, [value] * (4 * LANES))
 
         def codes_at(i: int) -> Any:
-            pointer = _lanes_pointer(context, builder, signature.args[i], args[i])
-            return builder.bitcast(builder.load(pointer, align=4), bytes_type)
+            at = builder.add(builder.mul(b_, i64(3)), i64(i))
+            pointer = cgutils.get_item_pointer(
+                context, builder, codes_type, code_words, [t_, at, i64(0)]
+            )
+            lanes = builder.load(builder.bitcast(pointer, vector.as_pointer()), align=4)
+            return builder.bitcast(lanes, bytes_type)
 
-        target = _lanes_pointer(context, builder, signature.args[0], args[0])
-        low = [codes_at(5), codes_at(6)]
-        high = codes_at(7)
+        low = [codes_at(0), codes_at(1)]
+        high = codes_at(2)
         top = splat(0x30)
         codes = [
             builder.or_(
@@ -881,62 +898,145 @@ def dot_six(
                 builder.lshr(low[1], splat(4)), builder.and_(builder.lshr(high, splat(2)), top)
             ),
         ]
-        rows = [_spread(context, builder, args[1 + j], signature.args[1 + j]) for j in range(4)]
-        lane_scales = _load_scales(context, builder, signature.args[8], args[8])
-        acc = builder.load(target, align=4)
-        acc = _madd(builder, acc, (codes[0], rows[0]), (codes[1], rows[1]), scales=lane_scales)
-        acc = _madd(builder, acc, (codes[2], rows[2]), (codes[3], rows[3]), scales=lane_scales)
-        builder.store(acc, target, align=4)
+        lane_scales = _load_scales(context, builder, signature.args[6], args[6])
+
+        def row_word(row: Any, j: int) -> Any:
+            w = builder.add(builder.mul(b_, i64(4)), i64(j))
+            pointer = cgutils.get_item_pointer(context, builder, words_type, words, [row, w])
+            return _spread(context, builder, builder.load(pointer), types.int32)
+
+        for r in range(row_count):
+            rows_ = [row_word(builder.add(r0_, i64(r)), j) for j in range(4)]
+            target = builder.bitcast(builder.gep(sums_data, [i64(r * LANES)]), vector.as_pointer())
+            acc = builder.load(target, align=4)
+            acc = _madd(
+                builder, acc, (codes[0], rows_[0]), (codes[1], rows_[1]), scales=lane_scales
+            )
+            acc = _madd(
+                builder, acc, (codes[2], rows_[2]), (codes[3], rows_[3]), scales=lane_scales
+            )
+            builder.store(acc, target, align=4)
         return context.get_dummy_value()
 
-    return types.void(sums, w0, w1, w2, w3, low0, low1, high, scales), codegen
+    return types.void(sums, words, r0, codes, t, b, scales, rows), codegen
 
 
 @intrinsic
-def dot_nibble_run(
+def dot_nibble_rows(
     typingctx: Any,
     sums: Any,
     words: Any,
-    r: Any,
+    r0: Any,
     codes: Any,
     t: Any,
     g0: Any,
     count: Any,
     scales: Any,
+    rows: Any,
 ) -> Any:
-    """sums[l] += a run's products (DOT4 words g0 .. g0 + count - 1 of tile t of codes:
-    int32 [tiles, K / 8, 16]; count a compile-time constant, at most 4) by row r of a
-    rows' int8 codes (words: int32 [M, K / 4]). A lane's byte-pair sums, 2 a word, add in
-    16 bits (at most 8 * 2 * 15 * 127) before one widening a run. scales: None, or each
-    lane's scale of the run (`_madd`)."""
+    """sums[r, l] += a run's products (DOT4 words g0 .. g0 + count - 1 of tile t of codes:
+    int32 [tiles, K / 8, 16]; count a compile-time constant, at most 4) by row r0 + r of
+    a rows' int8 codes (words: int32 [M, K / 4]), for each of `rows` rows (a compile-time
+    constant). Each code word is unpacked once for all the rows, then every row's products
+    of it are taken, so that what is live at once fits AVX2's 16 registers. A lane's
+    byte-pair sums, 2 a word, add in 16 bits over the run (at most 8 * 2 * 15 * 127)
+    before one widening. scales: None, or each lane's scale of the run (`_madd`)."""
     if not (
-        _int_lanes(sums)
+        isinstance(sums, types.Array)
+        and sums.ndim == 2
+        and sums.dtype == types.int32
         and _int_arrays(words, 2)
         and _int_arrays(codes, 3)
-        and all(isinstance(i, types.Integer) for i in (r, t, g0))
+        and all(isinstance(i, types.Integer) for i in (r0, t, g0))
         and isinstance(count, types.IntegerLiteral)
         and count.literal_value <= 4
         and _scales_or_none(scales)
+        and isinstance(rows, types.IntegerLiteral)
     ):
         return None
-    words_count = count.literal_value
+    words_count, row_count = count.literal_value, rows.literal_value
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        bytes_type = ir.VectorType(ir.IntType(8), 4 * LANES)
+        i8, i16, i32, i64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
         read = _RunReader(context, builder, signature, args)
+        lane_scales = _load_scales(context, builder, signature.args[7], args[7])
+        sums_data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        vector = ir.VectorType(i32, LANES)
+        bytes_type = ir.VectorType(i8, 4 * LANES)
         mask = ir.Constant(bytes_type, [15] * (4 * LANES))
         four = ir.Constant(bytes_type, [4] * (4 * LANES))
-        pairs = []
+        words_type = signature.args[1]
+
+        def row_word(r: int, w: Any) -> Any:
+            pointer = cgutils.get_item_pointer(
+                context, builder, words_type, read.words, [builder.add(read.r, i64(r)), w]
+            )
+            return _spread(context, builder, builder.load(pointer), types.int32)
+
+        def target(r: int) -> Any:
+            return builder.bitcast(builder.gep(sums_data, [i64(r * LANES)]), vector.as_pointer())
+
+        if VNNI or not AVX2:
+            for j in range(words_count):
+                q = read.codes(j)
+                low_word = builder.mul(read.g(j), i64(2))
+                high_word = builder.add(low_word, i64(1))
+                for r in range(row_count):
+                    pairs = (
+                        (builder.and_(q, mask), row_word(r, low_word)),
+                        (builder.lshr(q, four), row_word(r, high_word)),
+                    )
+                    total = _madd(builder, builder.load(target(r), align=4), *pairs)
+                    builder.store(total, target(r), align=4)
+            return context.get_dummy_value()
+        half_bytes, half_words = ir.VectorType(i8, 2 * LANES), ir.VectorType(i16, LANES)
+        half_ints = ir.VectorType(i32, LANES // 2)
+        pair_sums = cgutils.get_or_insert_function(
+            builder.module,
+            ir.FunctionType(half_words, [half_bytes, half_bytes]),
+            "llvm.x86.avx2.pmadd.ub.sw",
+        )
+        quads = cgutils.get_or_insert_function(
+            builder.module,
+            ir.FunctionType(half_ints, [half_words, half_words]),
+            "llvm.x86.avx2.pmadd.wd",
+        )
+
+        def half(v: Any, h: int) -> Any:
+            part = ir.Constant(
+                ir.VectorType(i32, 2 * LANES), list(range(h * 2 * LANES, (h + 1) * 2 * LANES))
+            )
+            return builder.shuffle_vector(v, v, part)
+
+        acc = [[None, None] for _ in range(row_count)]
         for j in range(words_count):
             q = read.codes(j)
-            low_word = builder.mul(read.g(j), ir.IntType(64)(2))
-            high_word = builder.add(low_word, ir.IntType(64)(1))
-            pairs.append((builder.and_(q, mask), read.row(low_word)))
-            pairs.append((builder.lshr(q, four), read.row(high_word)))
-        target = _lanes_pointer(context, builder, signature.args[0], args[0])
-        lane_scales = _load_scales(context, builder, signature.args[7], args[7])
-        acc = _madd(builder, builder.load(target, align=4), *pairs, scales=lane_scales)
-        builder.store(acc, target, align=4)
+            low, high = builder.and_(q, mask), builder.lshr(q, four)
+            low_word = builder.mul(read.g(j), i64(2))
+            high_word = builder.add(low_word, i64(1))
+            for r in range(row_count):
+                a_low, a_high = row_word(r, low_word), row_word(r, high_word)
+                for h in range(2):
+                    product = builder.add(
+                        builder.call(pair_sums, [half(low, h), half(a_low, h)]),
+                        builder.call(pair_sums, [half(high, h), half(a_high, h)]),
+                    )
+                    acc[r][h] = product if acc[r][h] is None else builder.add(acc[r][h], product)
+        ones = ir.Constant(half_words, [1] * LANES)
+        for r in range(row_count):
+            parts = []
+            for h in range(2):
+                weights = ones
+                if lane_scales is not None:
+                    lanes = ir.Constant(half_ints, list(range(h * 8, h * 8 + 8)))
+                    weights = builder.bitcast(
+                        builder.shuffle_vector(lane_scales, lane_scales, lanes), half_words
+                    )
+                parts.append(builder.call(quads, [acc[r][h], weights]))
+            whole = builder.shuffle_vector(
+                parts[0], parts[1], ir.Constant(vector, list(range(LANES)))
+            )
+            builder.store(builder.add(builder.load(target(r), align=4), whole), target(r), align=4)
         return context.get_dummy_value()
 
-    return types.void(sums, words, r, codes, t, g0, count, scales), codegen
+    return types.void(sums, words, r0, codes, t, g0, count, scales, rows), codegen
