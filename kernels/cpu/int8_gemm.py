@@ -15,6 +15,15 @@ vpmaddubsw multiplies unsigned bytes by signed ones and adds adjacent pairs in 1
 magnitudes, and their signs go to the row's codes (vpsignb). A pair then adds at most
 2 * 128 * 127, which 16 bits hold.
 
+A K-quant's weight (SUPER scales: d and dmin a super-block of 256 inputs, an integer
+scale and min a run) takes rows quantised per super-block instead, as llama.cpp's q8_K,
+and each run's integer scale multiplies its products in the widening (`_super_pass`):
+d * s and dmin * s then scale two 32-bit sums once a super-block, not once a run.
+
+A pass takes up to ROWS rows over a tile; each code word is unpacked once for all of them
+(`dot_nibble_rows`, `dot_six_rows`, `dot_signed_rows`), and what is live at once fits
+AVX2's 16 registers.
+
 The weight keeps the file's values exactly; the products differ from fp32 ones by the
 rows' rounding to int8, so this is a setting (`--gguf-activations int8`), not the exact
 path. Each output's sum runs over the runs in K order, whatever the rows: a row gets the
