@@ -988,14 +988,22 @@ def int8_layers(layer_grids: list[list[Any]]) -> list[list[Any]]:
 
     if not int8_gemm.fast():
         return layer_grids
-    # A position keeps 6-bit codes only where every layer's fit (at most two kinds a
-    # position in the fused step).
+    # A position keeps 6-bit (5-bit) codes only where every layer's fit (at most two
+    # kinds a position in the fused step).
+    positions = list(zip(*layer_grids, strict=True))
     six_bits = [
         all(int8_gemm.six_bits_fit(g) for g in grids if g.kind in grid_gemm.FINE)
-        for grids in zip(*layer_grids, strict=True)
+        for grids in positions
+    ]
+    five_bits = [
+        all(int8_gemm.five_bits_fit(g) for g in grids if g.kind == grid_gemm.SCALED8)
+        for grids in positions
     ]
     converted = [
-        [int8_gemm.to_int8(g, six) or g for g, six in zip(layer, six_bits, strict=True)]
+        [
+            int8_gemm.to_int8(g, six, five) or g
+            for g, six, five in zip(layer, six_bits, five_bits, strict=True)
+        ]
         for layer in layer_grids
     ]
     described = [

@@ -153,8 +153,12 @@ DENSE = (REBUILT, BF16, FP16, BF16_DOT)  # the kinds of weights on no quantisati
 # 16 inputs, three words of a lane: two DOT4 words of their low 4 bits, then one of
 # their high 2 bits, byte i holding inputs i, i + 4, i + 8 and i + 12 from its low bits
 # up (codes int32 [tiles, K / 16 * 3, 16]).
-DOT4, DOT8, DOT8_FINE, DOT6_FINE = "dot4", "dot8", "dot8fine", "dot6fine"
-DOTS = (DOT4, DOT8, DOT8_FINE, DOT6_FINE)
+# DOT5 keeps 5-bit codes (0..31: a Q5_K's, Q5_1's) in 5 bits: per run of 32 inputs,
+# four DOT4 words of their low 4 bits, then one word of their fifth bits, byte i's bit
+# 2j + p holding that of the input in byte i of DOT4 word j, nibble p (input
+# 8j + 4p + i) (codes int32 [tiles, K / 32 * 5, 16]).
+DOT4, DOT8, DOT8_FINE, DOT6_FINE, DOT5 = "dot4", "dot8", "dot8fine", "dot6fine", "dot5"
+DOTS = (DOT4, DOT8, DOT8_FINE, DOT6_FINE, DOT5)
 SIX_BIT_ZERO = 32  # DOT6_FINE's code for 0
 IN_PLACE = (REBUILT, BF16_DOT)  # the kinds whose codes the products read as they are
 # Whether this CPU multiplies bf16 pairs natively (vdpbf16ps); elsewhere BF16_DOT
@@ -246,6 +250,15 @@ def _codes(kind: str, codes: np.ndarray) -> np.ndarray:
         c = low.reshape(high.shape) | (high << np.uint8(4))  # [tiles, K / 16, 4, 16, 4]
         q = c.transpose(0, 1, 2, 4, 3).astype(np.int16) - SIX_BIT_ZERO
         return np.ascontiguousarray(q.astype(np.int8)).reshape(tiles, -1, LANES)
+    if kind == DOT5:  # [tiles, K / 32, 5 words, 16, 4 bytes]
+        tiles = codes.shape[0]
+        raw = codes.view(np.uint8).reshape(tiles, codes.shape[1] // 5, 5, LANES, 4)
+        low = np.stack((raw[:, :, :4] & 15, raw[:, :, :4] >> 4), axis=3)  # [.., 4, 2, 16, 4]
+        fifth = np.stack([(raw[:, :, 4] >> np.uint8(s)) & 1 for s in range(8)], axis=2).reshape(
+            low.shape
+        )
+        q = (low | (fifth << np.uint8(4))).transpose(0, 1, 2, 3, 5, 4)  # [.., j, p, 4, 16]
+        return np.ascontiguousarray(q).view(np.int8).reshape(tiles, -1, LANES)
     if kind in DOTS:
         tiles = codes.shape[0]
         raw = codes.view(np.uint8).reshape(tiles, codes.shape[1], LANES, 4)

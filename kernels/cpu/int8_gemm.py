@@ -96,17 +96,43 @@ def six_bits_fit(grid: grid_gemm.GridWeight) -> bool:
     return bool(codes.min() >= -grid_gemm.SIX_BIT_ZERO and codes.max() < grid_gemm.SIX_BIT_ZERO)
 
 
-def to_int8(grid: grid_gemm.GridWeight, six_bits: bool = True) -> grid_gemm.GridWeight | None:
+def five_bits_fit(grid: grid_gemm.GridWeight) -> bool:
+    """Whether a grid of 8-bit codes has codes in 0..31 (a Q5_K's or Q5_1's), which DOT5
+    keeps in 5 bits."""
+    if grid.kind != grid_gemm.SCALED8:
+        return False
+    codes = grid.codes.view(np.int8)
+    return bool(codes.min() >= 0 and codes.max() < 32)
+
+
+def to_int8(
+    grid: grid_gemm.GridWeight, six_bits: bool = True, five_bits: bool = True
+) -> grid_gemm.GridWeight | None:
     """A grid's codes in the layout of its integer products (its scales as they are), or
     None for a kind they do not take (a weight on no grid, or LEVELS4). six_bits: runs of
-    16 whose codes fit 6 bits become DOT6_FINE (else DOT8_FINE)."""
+    16 whose codes fit 6 bits become DOT6_FINE (else DOT8_FINE); five_bits: 8-bit codes
+    that fit 5 bits become DOT5 (else DOT8)."""
     kind = _DOT_OF.get(grid.kind)
     if kind is None:
         return None
     if kind == grid_gemm.DOT8_FINE and six_bits and six_bits_fit(grid):
         kind = grid_gemm.DOT6_FINE
+    if kind == grid_gemm.DOT8 and five_bits and five_bits_fit(grid):
+        kind = grid_gemm.DOT5
     q = grid_gemm._codes(grid.kind, grid.codes)  # int8 [tiles, K, 16]
     tiles, k = q.shape[:2]
+    if kind == grid_gemm.DOT5:
+        c = q.view(np.uint8).reshape(tiles, k // 32, 4, 2, 4, LANES)  # [.., j, p, i, 16]
+        words = np.empty((tiles, k // 32, 5, 4, LANES), dtype=np.uint8)
+        words[:, :, :4] = (c[:, :, :, 0] & np.uint8(15)) | ((c[:, :, :, 1] & np.uint8(15)) << 4)
+        words[:, :, 4] = 0
+        for j in range(4):
+            for p in range(2):
+                fifth = (c[:, :, j, p] >> np.uint8(4)) & np.uint8(1)
+                words[:, :, 4] |= fifth << np.uint8(2 * j + p)
+        codes = np.ascontiguousarray(words.transpose(0, 1, 2, 4, 3)).view(np.int32)[..., 0]
+        codes = codes.reshape(tiles, k // 32 * 5, LANES)
+        return grid_gemm.GridWeight(kind, grid.out_features, grid.in_features, codes, grid.scales)
     if kind == grid_gemm.DOT6_FINE:
         c = (q.astype(np.int16) + grid_gemm.SIX_BIT_ZERO).astype(np.uint8)
         c = c.reshape(tiles, k // 16, 4, 4, LANES)  # [.., 4 inputs j, 4 bytes i, 16]: 4j + i
@@ -182,6 +208,7 @@ def _pass(kind: str, rows: int, in_features: int) -> Callable[..., None]:
     per_super = grid_gemm.SUPER_BLOCK // run  # runs a super-block of SUPER scales
     nibbles = kind == grid_gemm.DOT4
     six = kind == grid_gemm.DOT6_FINE
+    five = kind == grid_gemm.DOT5
     code_words = run // 8 if nibbles else run // 4  # a run's words of a lane's codes
     runs_per_block = BLOCK // run
     zero = grid_gemm.SIX_BIT_ZERO
@@ -216,6 +243,8 @@ def _pass(kind: str, rows: int, in_features: int) -> Callable[..., None]:
                     sums[r, lane] = start
             if six:
                 dot_six_rows(sums, words, r0, codes, t, b, None, rows)
+            elif five:
+                dot_five_rows(sums, words, r0, codes, t, b, None, rows)
             elif nibbles:
                 dot_nibble_rows(sums, words, r0, codes, t, b * code_words, code_words, None, rows)
             else:
@@ -257,6 +286,7 @@ def _super_pass(kind: str, rows: int, in_features: int) -> Callable[..., None]:
     supers = in_features // grid_gemm.SUPER_BLOCK
     nibbles = kind == grid_gemm.DOT4
     six = kind == grid_gemm.DOT6_FINE
+    five = kind == grid_gemm.DOT5
     code_words = run // 8 if nibbles else run // 4
     zero = grid_gemm.SIX_BIT_ZERO
 
@@ -296,6 +326,8 @@ def _super_pass(kind: str, rows: int, in_features: int) -> Callable[..., None]:
                     )
                 elif six:
                     dot_six_rows(sums, words, r0, codes, t, b, pairs[j], rows)
+                elif five:
+                    dot_five_rows(sums, words, r0, codes, t, b, pairs[j], rows)
                 else:
                     dot_signed_rows(
                         sums, words, r0, codes, t, b * code_words, code_words, pairs[j], rows
@@ -836,6 +868,98 @@ class _RunReader:
             self.context, self.builder, self.words_type, self.words, [row, w]
         )
         return _spread(self.context, self.builder, self.builder.load(pointer), types.int32)
+
+
+@intrinsic
+def dot_five_rows(
+    typingctx: Any,
+    sums: Any,
+    words: Any,
+    r0: Any,
+    codes: Any,
+    t: Any,
+    b: Any,
+    scales: Any,
+    rows: Any,
+) -> Any:
+    """sums[r, l] += the products of run b's 32 inputs' 5-bit codes (DOT5's five words
+    5b .. 5b + 4 of lane l of tile t: four DOT4 words of low 4 bits, one of fifth bits)
+    by row r0 + r's int8 codes (words 8b .. 8b + 7 of words: int32 [M, K / 4]), for each
+    of `rows` rows (a compile-time constant): the codes unpacked once for all the rows.
+    Four words' pairs add in 16 bits before each widening, at most 8 * 31 * 127. scales:
+    None, or each lane's scale of the run (`_madd`)."""
+    if not (
+        isinstance(sums, types.Array)
+        and sums.ndim == 2
+        and sums.dtype == types.int32
+        and _int_arrays(words, 2)
+        and _int_arrays(codes, 3)
+        and all(isinstance(i, types.Integer) for i in (r0, t, b))
+        and _scales_or_none(scales)
+        and isinstance(rows, types.IntegerLiteral)
+    ):
+        return None
+    row_count = rows.literal_value
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i64 = ir.IntType(64)
+        bytes_type = ir.VectorType(ir.IntType(8), 4 * LANES)
+        vector = ir.VectorType(ir.IntType(32), LANES)
+        words_type, codes_type = signature.args[1], signature.args[3]
+        words = context.make_array(words_type)(context, builder, args[1])
+        code_words = context.make_array(codes_type)(context, builder, args[3])
+        r0_, t_, b_ = (
+            context.cast(builder, args[i], signature.args[i], types.int64) for i in (2, 4, 5)
+        )
+        sums_data = context.make_array(signature.args[0])(context, builder, args[0]).data
+
+        def lanes(value: int) -> Any:
+            return ir.Constant(vector, [value] * LANES)
+
+        def codes_at(i: int) -> Any:
+            at = builder.add(builder.mul(b_, i64(5)), i64(i))
+            pointer = cgutils.get_item_pointer(
+                context, builder, codes_type, code_words, [t_, at, i64(0)]
+            )
+            return builder.load(builder.bitcast(pointer, vector.as_pointer()), align=4)
+
+        def fifth(high: Any, bit: int) -> Any:
+            """Each byte's bit `bit` of high, moved to its bit 4 (16)."""
+            moved = (
+                builder.shl(high, lanes(4 - bit))
+                if bit <= 4
+                else builder.lshr(high, lanes(bit - 4))
+            )
+            return builder.and_(moved, lanes(0x10101010))
+
+        high = codes_at(4)
+        codes = []
+        for j in range(4):
+            q = codes_at(j)
+            for p in range(2):
+                nibble = builder.and_(q if p == 0 else builder.lshr(q, lanes(4)), lanes(0x0F0F0F0F))
+                codes.append(
+                    builder.bitcast(builder.or_(nibble, fifth(high, 2 * j + p)), bytes_type)
+                )
+
+        def row_word(row: Any, w: int) -> Any:
+            at = builder.add(builder.mul(b_, i64(8)), i64(w))
+            pointer = cgutils.get_item_pointer(context, builder, words_type, words, [row, at])
+            return _spread(context, builder, builder.load(pointer), types.int32)
+
+        lane_scales = _load_scales(context, builder, signature.args[6], args[6])
+        for r in range(row_count):
+            row = builder.add(r0_, i64(r))
+            rows_ = [row_word(row, w) for w in range(8)]
+            target = builder.bitcast(builder.gep(sums_data, [i64(r * LANES)]), vector.as_pointer())
+            acc = builder.load(target, align=4)
+            for half in range(2):
+                pairs = [(codes[w], rows_[w]) for w in range(4 * half, 4 * half + 4)]
+                acc = _madd(builder, acc, *pairs, scales=lane_scales)
+            builder.store(acc, target, align=4)
+        return context.get_dummy_value()
+
+    return types.void(sums, words, r0, codes, t, b, scales, rows), codegen
 
 
 @intrinsic

@@ -133,7 +133,8 @@ TYPES = {
     "Q4_K": (grid_gemm.AFFINE4, grid_gemm.DOT4),
     "Q8_0": (grid_gemm.SCALED8, grid_gemm.DOT8),
     "Q5_0": (grid_gemm.SCALED8, grid_gemm.DOT8),
-    "Q5_K": (grid_gemm.SCALED8, grid_gemm.DOT8),
+    "Q5_K": (grid_gemm.SCALED8, grid_gemm.DOT5),
+    "Q5_K in 8 bits": (grid_gemm.SCALED8, grid_gemm.DOT8),
     "Q6_K": (grid_gemm.FINE8, grid_gemm.DOT6_FINE),
     "Q6_K in 6 bits": (grid_gemm.FINE6, grid_gemm.DOT6_FINE),
     "Q6_K in 8 bits": (grid_gemm.FINE8, grid_gemm.DOT8_FINE),
@@ -148,7 +149,8 @@ def test_integer_products_of_each_types_codes_equal_the_exact_reference(type_nam
     file_type = type_name.split()[0]
     grid, weight = file_grid(file_type, 128, 512, seed=5, six_bits="6 bits" in type_name)
     assert grid.kind == kind
-    ints = int8_gemm.to_int8(grid, six_bits="8 bits" not in type_name)
+    narrow = "8 bits" not in type_name
+    ints = int8_gemm.to_int8(grid, six_bits=narrow, five_bits=narrow)
     assert ints.kind == dot and ints.scales is grid.scales
     assert torch.equal(ints.dense(), weight)
     x = torch.randn(2 * int8_gemm.ROWS + 1, 512, generator=torch.Generator().manual_seed(1))
