@@ -35,9 +35,9 @@ class EngineConfig:
     allocation_policy: AllocationPolicy = "paged"
     num_threads: int | None = None  # CPU threads; None = OMP_NUM_THREADS, else the CPU quota
     # How the CPU backend multiplies a quantised model's (a GGUF file's) weights: "int8"
-    # quantises each GEMM's input rows to int8 per block of 32 and multiplies the file's
-    # codes in integers, as llama.cpp does (kernels/cpu/int8_gemm.py, where the CPU has
-    # AVX2 or AVX-512 VNNI); "fp32" multiplies the dequantised weights in fp32, the exact
+    # quantises each GEMM's input rows to int8 per block of 32 (of 256 for a K-quant's
+    # weight) and multiplies the file's codes in integers, as llama.cpp does
+    # (kernels/cpu/int8_gemm.py, where the CPU has AVX2 or AVX-512 VNNI); "fp32" multiplies the dequantised weights in fp32, the exact
     # products of the model's fp32 forward (the default: int8 rounding can flip a small
     # model's near ties, as it flips the embedded model's first answer to a README example).
     gguf_activations: str = "fp32"
@@ -219,7 +219,8 @@ def add_engine_arguments(parser) -> None:
         default=d.gguf_activations,
         choices=list(GGUF_ACTIVATIONS),
         help="CPU: how a quantised model's GEMMs multiply; fp32: the dequantised weights in "
-        "fp32, exact; int8: its input rows quantised to int8 per block of 32, times the "
+        "fp32, exact; int8: its input rows quantised to int8 per block of 32 (256 for "
+        "K-quants), times the "
         "file's codes in integers (as llama.cpp; faster, the logits differ slightly)",
     )
     g.add_argument(
