@@ -657,6 +657,25 @@ def _spread(context: Any, builder: Any, word: Any, word_type: Any) -> Any:
     return builder.bitcast(spread, ir.VectorType(ir.IntType(8), 4 * LANES))
 
 
+def _avx2_madds(builder: Any) -> tuple[Any, Any]:
+    """AVX2's vpmaddubsw (32 bytes by 32 bytes into 16 pair sums) and vpmaddwd (16 words
+    by 16 into 8 quad sums) on 256-bit halves, as functions of the module."""
+    i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+    half_bytes, half_words = ir.VectorType(i8, 2 * LANES), ir.VectorType(i16, LANES)
+    half_ints = ir.VectorType(i32, LANES // 2)
+    pair_sums = cgutils.get_or_insert_function(
+        builder.module,
+        ir.FunctionType(half_words, [half_bytes, half_bytes]),
+        "llvm.x86.avx2.pmadd.ub.sw",
+    )
+    quads = cgutils.get_or_insert_function(
+        builder.module,
+        ir.FunctionType(half_ints, [half_words, half_words]),
+        "llvm.x86.avx2.pmadd.wd",
+    )
+    return pair_sums, quads
+
+
 def _madd(builder: Any, acc: Any, *pairs: tuple[Any, Any], scales: Any = None) -> Any:
     """acc (16 int32 lanes) + the sums of each lane's 4 products of unsigned bytes by signed
     bytes (64 each) of every pair (unsigned, signed), times the lane's scale where scales
@@ -665,7 +684,7 @@ def _madd(builder: Any, acc: Any, *pairs: tuple[Any, Any], scales: Any = None) -
     AVX2's 256-bit halves (all the pairs' 16-bit sums added before one vpmaddwd: the
     callers keep them in 16 bits, as a run of 4-bit codes, 8 * 2 * 15 * 127 at most), else
     plain integer vector code."""
-    i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+    i16, i32 = ir.IntType(16), ir.IntType(32)
     vector = ir.VectorType(i32, LANES)
     if VNNI or not AVX2:
         sum_of = ir.Constant(vector, None) if scales is not None else acc
@@ -692,18 +711,8 @@ def _madd(builder: Any, acc: Any, *pairs: tuple[Any, Any], scales: Any = None) -
         sixteen = ir.Constant(vector, [16] * LANES)
         scale = builder.ashr(builder.shl(scales, sixteen), sixteen)
         return builder.add(acc, builder.mul(sum_of, scale))
-    half_bytes, half_words = ir.VectorType(i8, 2 * LANES), ir.VectorType(i16, LANES)
-    half_ints = ir.VectorType(i32, LANES // 2)
-    pair_sums = cgutils.get_or_insert_function(
-        builder.module,
-        ir.FunctionType(half_words, [half_bytes, half_bytes]),
-        "llvm.x86.avx2.pmadd.ub.sw",
-    )
-    quads = cgutils.get_or_insert_function(
-        builder.module,
-        ir.FunctionType(half_ints, [half_words, half_words]),
-        "llvm.x86.avx2.pmadd.wd",
-    )
+    half_words = ir.VectorType(i16, LANES)
+    pair_sums, quads = _avx2_madds(builder)
     ones = ir.Constant(half_words, [1] * LANES)
     halves = []
     for h in range(2):
@@ -1122,18 +1131,8 @@ def dot_nibble_rows(
                     total = _madd(builder, builder.load(target(r), align=4), *pairs)
                     builder.store(total, target(r), align=4)
             return context.get_dummy_value()
-        half_bytes, half_words = ir.VectorType(i8, 2 * LANES), ir.VectorType(i16, LANES)
-        half_ints = ir.VectorType(i32, LANES // 2)
-        pair_sums = cgutils.get_or_insert_function(
-            builder.module,
-            ir.FunctionType(half_words, [half_bytes, half_bytes]),
-            "llvm.x86.avx2.pmadd.ub.sw",
-        )
-        quads = cgutils.get_or_insert_function(
-            builder.module,
-            ir.FunctionType(half_ints, [half_words, half_words]),
-            "llvm.x86.avx2.pmadd.wd",
-        )
+        half_words, half_ints = ir.VectorType(i16, LANES), ir.VectorType(i32, LANES // 2)
+        pair_sums, quads = _avx2_madds(builder)
 
         def half(v: Any, h: int) -> Any:
             part = ir.Constant(
