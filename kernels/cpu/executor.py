@@ -9,9 +9,8 @@ with faster parts, picked from the configuration and the CPU alone:
   to `grid_gemm.GRID_MAX_ROWS` tokens run as one compiled call (`fused_step`), and on
   any LM head greedy rows' tokens are picked without most of their logits
   (`greedy_argmax`, where the CPU has AVX2 or AVX-512 VNNI);
-- with bf16 products on a CPU with AMX tiles, steps of `LIBRARY_MIN_ROWS` tokens or more
-  on the matmul library's bf16 GEMMs over the same weights (`LibraryBf16Gemm`), and the
-  rest on bf16 weights widened in registers (`bf16_layer_kind`);
+- with bf16 products, bf16 weights in the kind `bf16_layer_kind` picks (on AMX tiles
+  where the CPU has them);
 - otherwise the matmul library's packed layout ("mkl" for fp32, "onednn" for bf16 on
   CPUs with native bf16), or the weights as they are ("dense");
 - with fp32 weights, the ops between the GEMMs in compiled kernels (`layer_ops`) and
@@ -48,7 +47,6 @@ from pagedinfer.kernels.cpu.gemms import (
     DenseGemm,
     Gemm,
     GridGemm,
-    LibraryBf16Gemm,
     MklGemm,
     OneDnnGemm,
     amx_bf16,
@@ -61,11 +59,6 @@ from pagedinfer.kernels.validation import check_paged_attention, check_write_kv
 log = logging.getLogger(__name__)
 
 WARM_UP_THREAD = "cpu-executor-warm-up"
-# With bf16 products on a CPU with AMX tiles, steps of at least this many tokens run layer
-# by layer on the matmul library's bf16 GEMMs (`LibraryBf16Gemm`): from here on their
-# rate (0.9-2.5 TFLOP/s on 2 cores of an Emerald Rapids) outweighs unpacking the weights at every call and the
-# layer-by-layer path's overhead. Smaller steps keep the fused step.
-LIBRARY_MIN_ROWS = 64
 # How long a child process may take to compile the kernels before the server gives up
 # on it (the model's torch forward then keeps serving).
 CHILD_COMPILE_TIMEOUT_S = 1800.0
@@ -181,9 +174,6 @@ class CpuExecutor:
         self.compiled = compiled  # the ops between the GEMMs and attention in numba kernels
         self.layers: list[_Layer] = []
         self.lm_head: Gemm | None = None
-        # The same layers on the library's bf16 GEMMs, for steps of `LIBRARY_MIN_ROWS`
-        # tokens or more; None where those steps keep the grid GEMMs.
-        self.library_layers: list[_Layer] | None = None
         self.fused: Any = None  # fused_step.FusedWeights
         self.argmax: Any = None  # greedy_argmax.ArgmaxWeights
         # int64 [threads, phases, 2], or None: each fused step adds the cycles its workers
@@ -295,8 +285,6 @@ class CpuExecutor:
             self.layers.append(self._layer_of(i, gemms))
         self.lm_head = GridGemm(lm_head, orders[4])
         self.argmax = argmax
-        if self.bf16_products and amx_bf16():
-            self.library_layers = library_layers(self.layers)
 
     def _rope(self, layer: int) -> tuple[int, int]:
         """Layer `layer`'s rotated dims and cos/sin table (`_Layer.rope`), as the model's
@@ -634,14 +622,11 @@ class CpuExecutor:
         hidden = self.model.embed(input_ids)  # the model's own (Gemma 3 scales it)
         rope = self._rope_tables(positions)
         attn.compiled = self.compiled
-        layers = self.layers
-        if self.library_layers is not None and hidden.shape[0] >= LIBRARY_MIN_ROWS:
-            layers = self.library_layers
-        elif self.fused is not None:
+        if self.fused is not None:
             out = self._fused_step(hidden, rope, kv_caches, attn, logits_indices, greedy)
             if out is not None:
                 return out
-        for layer, kv_cache in zip(layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             self._layer(layer, hidden, rope, kv_cache, attn)
         normed = self._norm(hidden[logits_indices], self.model.norm.scale())
         if greedy is None or self.argmax is None or not bool(greedy.any()):
@@ -849,22 +834,6 @@ class CpuExecutor:
         return shape
 
 
-def library_layers(layers: list[_Layer]) -> list[_Layer]:
-    """The layers with each bf16 GEMM on the matmul library (`LibraryBf16Gemm`),
-    over the same arrays: no weight is copied until a call unpacks it."""
-    return [
-        _Layer(
-            layer.norms,
-            layer.post_norms,
-            layer.qk_norm,
-            layer.rope,
-            layer.window,
-            *(LibraryBf16Gemm(g.weight, g.bias) for g in layer.gemms()),
-        )
-        for layer in layers
-    ]
-
-
 def decode_plan(attn: AttentionMetadata, block_size: int) -> torch_ops.AttentionPlan | None:
     """The plan `attn.plan_for` makes on the compiled kernels for a batch in which every
     sequence has one new token (a step that only decodes), made without its general
@@ -911,13 +880,17 @@ POSITIONS = ("qkv", "o", "gate_up", "down", "lm_head")
 
 
 def bf16_layer_kind() -> str:
-    """The kind of the layers' weights with bf16 products: pairs of inputs multiplied by
-    `vdpbf16ps` (`grid_gemm.BF16_DOT`), twice the fp32 rate on AMD's Zen 4; on CPUs with
-    AMX tiles, where that instruction ran at about half the fp32 rate (Emerald Rapids),
-    the same bf16 values widened in registers and multiplied with the fp32 rows
+    """The kind of the layers' weights with bf16 products: pairs of inputs
+    (`grid_gemm.BF16_DOT`), multiplied on AMX tiles where the process may use them
+    (`amx_gemm`: a decode step of 24 rows about 4x the fp32 rate), else by `vdpbf16ps`,
+    twice the fp32 rate on AMD's Zen 4. On CPUs whose AMX tiles this process may not use,
+    where that instruction ran at about half the fp32 rate (Emerald Rapids), the same
+    bf16 values widened in registers and multiplied with the fp32 rows
     (`grid_gemm.BF16`): the same bytes, at the fp32 rate."""
     from pagedinfer.kernels.cpu import grid_gemm
 
+    if grid_gemm.amx_tiles():
+        return grid_gemm.BF16_DOT
     return grid_gemm.BF16 if amx_bf16() else grid_gemm.BF16_DOT
 
 

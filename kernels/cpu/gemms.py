@@ -1,7 +1,6 @@
 """The GEMMs the CPU executor runs, one object per weight: the matmul library's packed
-layouts (MKL's for fp32, oneDNN's for bf16 where the CPU has native bf16), the grid
-GEMM (`grid_gemm`) for weights that lie on a quantisation grid, and the library's bf16
-GEMM over the grid GEMM's bf16 tiles, for steps of many rows on CPUs with AMX tiles.
+layouts (MKL's for fp32, oneDNN's for bf16 where the CPU has native bf16) and the grid
+GEMM (`grid_gemm`) for weights in its tile layouts (a quantisation grid, fp32 or bf16).
 
 Each takes x [rows, in_features] and gives x @ W.T (+ bias), or adds it into `out`.
 A packed weight serves a batch of any size; the batch hint only tunes its layout.
@@ -12,9 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
 from pagedinfer.kernels import torch_ops
 
@@ -34,8 +31,7 @@ def onednn_bf16_available(dtype: torch.dtype) -> bool:
 
 
 def amx_bf16() -> bool:
-    """Whether this CPU has AMX tiles for the matmul library's bf16 GEMMs: there they run
-    several times the grid GEMMs' rate once a step has a few dozen rows."""
+    """Whether this CPU has AMX tiles (as the matmul library sees it)."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     return bool(probe()) and torch.backends.mkldnn.is_available()
 
@@ -139,42 +135,6 @@ class GridGemm:
             grid_gemm.grid_linear(x.contiguous(), self.weight, self.order, out=out, add=True)
         else:
             out += self(x)
-
-
-@dataclass
-class LibraryBf16Gemm:
-    """A weight held in the grid GEMM's 16-bit layouts of bf16 values (`grid_gemm.BF16`:
-    uint16 [tiles, K, 16]; `grid_gemm.BF16_DOT`: pairs of inputs, uint32 [tiles, K / 2, 16]),
-    multiplied by the matmul library's bf16 GEMM: each call unpacks the tiles into a dense
-    bf16 weight (a transpose; no second copy is kept) and rounds the rows to bf16. The
-    product comes back rounded to bf16 and in fp32; its sums are in the library's order,
-    not the grid GEMM's fixed one, so a row's bits depend on which GEMM served its step.
-    """
-
-    weight: object  # grid_gemm.GridWeight
-    bias: torch.Tensor | None = None  # fp32 [out_features]
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.out_features
-
-    def dense(self) -> torch.Tensor:
-        """The weight as bf16 [out_features, in_features]. A pair's word holds inputs 2j
-        and 2j+1 of one output, the even one in its low half, as two bf16 lie in memory."""
-        w = self.weight
-        pairs = w.codes.dtype == np.uint32
-        tiles = torch.from_numpy(w.codes.view(np.int32 if pairs else np.int16))
-        rows = tiles.transpose(1, 2).reshape(w.out_features, -1)
-        return rows.view(torch.bfloat16)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x.bfloat16(), self.dense()).float()
-        if self.bias is not None:
-            out += self.bias
-        return out
-
-    def add_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
-        out += self(x)
 
 
 @dataclass

@@ -140,7 +140,8 @@ BF16, FP16 = "bf16", "fp16"
 # bf16 weights multiplied in bf16 (a model served with --dtype bfloat16): each pair of
 # inputs' two weights in one 32-bit word (codes uint32 [tiles, K / 2, 16], the lower half
 # input 2p's), and the inputs rounded to bf16 (to nearest, ties to even) as each call
-# starts; products summed in fp32 by AVX512-BF16's vdpbf16ps, two inputs an instruction.
+# starts; products summed in fp32 by AVX512-BF16's vdpbf16ps, two inputs an instruction,
+# or where the CPU has AMX-BF16 by its tiles (`amx_gemm`), 32 inputs of 16 rows at once.
 BF16_DOT = "bf16dot"
 DENSE = (REBUILT, BF16, FP16, BF16_DOT)  # the kinds of weights on no quantisation grid
 # A grid's codes laid out for integer products with rows quantised to int8
@@ -1116,6 +1117,14 @@ def tiles_per_group(rows: int, silu: bool = False, kind: str = "") -> int:
     return TILE_GROUP if rows <= widest else TILE_GROUP // 2
 
 
+def amx_tiles() -> bool:
+    """Whether BF16_DOT weights multiply on AMX tiles here (`amx_gemm`): in the tile
+    unit's order of sums, not the fixed order's vdpbf16ps chain."""
+    from pagedinfer.kernels.cpu import amx_gemm
+
+    return amx_gemm.available()
+
+
 @functools.cache
 def gemm_all_rows(
     kind: str,
@@ -1141,6 +1150,10 @@ def gemm_all_rows(
         from pagedinfer.kernels.cpu import int8_gemm
 
         return int8_gemm.gemm_all_rows(kind, in_features, silu, gelu)
+    if kind == BF16_DOT and amx_tiles():
+        from pagedinfer.kernels.cpu import amx_gemm
+
+        return amx_gemm.gemm_all_rows(in_features, silu, gelu)
     k, steps = in_features, steps_of(kind)
     code_row = code_rows(kind, k) * LANES
     code_at = _code_at(kind)

@@ -25,9 +25,7 @@ from pagedinfer.kernels.cpu.executor import (
     choose_mode,
     decode_plan,
     find_grids,
-    library_layers,
 )
-from pagedinfer.kernels.cpu.gemms import LibraryBf16Gemm
 from pagedinfer.service.models import DecoderModel, build_model
 from pagedinfer.service.models.llama import LlamaModel, ModelConfig
 
@@ -306,66 +304,6 @@ def test_bf16_products_over_a_bf16_cache_give_the_layered_logits_and_cache(
     assert_fused_matches_layered(executor, base, chunks)
     logits = run(base.copy(), executor, chunks, fused=True)
     assert logits.isfinite().all()
-
-
-@pytest.mark.parametrize("kind", BF16_LAYER_KINDS)
-def test_the_library_gemm_multiplies_the_weights_bf16_values(kind: str) -> None:
-    """The library GEMM over bf16 tiles or pairs unpacks exactly the bf16 weight, and its
-    product is the library's over the rows rounded to bf16, near the grid GEMM's."""
-    gen = torch.Generator().manual_seed(7)
-    weight = torch.randn(128, 256, generator=gen) * 0.05
-    pairs = grid_gemm.rebuilt(weight, kind)
-    bias = torch.randn(128, generator=gen)
-    gemm = LibraryBf16Gemm(pairs, bias)
-    assert torch.equal(gemm.dense(), weight.bfloat16())
-    x = torch.randn(70, 256, generator=gen)
-    expected = torch.nn.functional.linear(x.bfloat16(), weight.bfloat16()).float() + bias
-    assert torch.equal(gemm(x), expected)
-    grid = grid_gemm.grid_linear(x, pairs, grid_gemm.fixed_order(256)) + bias
-    torch.testing.assert_close(gemm(x), grid, rtol=2e-2, atol=2e-2)
-    out = torch.ones(70, 128)
-    gemm.add_into(out, x)
-    assert torch.equal(out, 1 + expected)
-
-
-def assert_near(ours: torch.Tensor, theirs: torch.Tensor, share: float = 0.01) -> None:
-    """Within `share` of `theirs`' scale, as GEMM outputs rounded to bf16 (a relative
-    0.4% at most) leave a small model's logits and K/V: in norm and at every element
-    against the largest magnitude."""
-    diff = ours - theirs
-    assert float(diff.norm()) <= share * float(theirs.norm())
-    assert float(diff.abs().max()) <= share * float(theirs.abs().max())
-
-
-@pytest.mark.parametrize("kind", BF16_LAYER_KINDS)
-def test_steps_of_many_tokens_go_to_the_library_and_small_ones_stay_fused(kind: str) -> None:
-    """With the library layers on (CPUs with AMX tiles), a step of `LIBRARY_MIN_ROWS` tokens
-    or more runs layer by layer on them, close to the grid GEMMs' logits and K/V; a
-    smaller step still takes the fused step and gives its bits."""
-    executor = bf16_executor(kind)
-    executor.library_layers = None  # the reference: grid GEMMs whatever the rows (AMX too)
-    base = prefilled(executor, [20, 9], room=80, dtype=torch.bfloat16)
-    prompt = [(0, [3 + i % 50 for i in range(70)], 20), (1, [8], 9)]
-    assert 71 >= executor_module.LIBRARY_MIN_ROWS > 2
-    grid_cache = base.copy()
-    grid_logits = run(grid_cache, executor, prompt, fused=False)
-    executor.library_layers = library_layers(executor.layers)
-    try:
-        library_cache = base.copy()
-        fused_step_called = []
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(executor, "_fused_step", lambda *a: fused_step_called.append(a))
-            library_logits = run(library_cache, executor, prompt, fused=True)
-        assert not fused_step_called
-        assert_near(library_logits, grid_logits)
-        for pair, grid_pair in zip(library_cache.kv_caches, grid_cache.kv_caches, strict=True):
-            for ours, theirs in zip(pair, grid_pair, strict=True):
-                assert_near(ours.nan_to_num(0.0).float(), theirs.nan_to_num(0.0).float())
-        decode = [(0, [42], 20), (1, [7], 9)]
-        with_library = run(base.copy(), executor, decode, fused=True)
-    finally:
-        executor.library_layers = None
-    assert torch.equal(with_library, run(base.copy(), executor, decode, fused=True))
 
 
 @pytest.mark.parametrize("threads", [1, 2])
