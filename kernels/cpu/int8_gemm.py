@@ -1119,17 +1119,18 @@ def dot_nibble_rows(
             return builder.bitcast(builder.gep(sums_data, [i64(r * LANES)]), vector.as_pointer())
 
         if VNNI or not AVX2:
+            # The run's codes unpacked once; each row's products of them summed in one
+            # chain, times the lanes' scales once (`_madd`).
+            unpacked = []
             for j in range(words_count):
                 q = read.codes(j)
                 low_word = builder.mul(read.g(j), i64(2))
-                high_word = builder.add(low_word, i64(1))
-                for r in range(row_count):
-                    pairs = (
-                        (builder.and_(q, mask), row_word(r, low_word)),
-                        (builder.lshr(q, four), row_word(r, high_word)),
-                    )
-                    total = _madd(builder, builder.load(target(r), align=4), *pairs)
-                    builder.store(total, target(r), align=4)
+                unpacked.append((builder.and_(q, mask), low_word))
+                unpacked.append((builder.lshr(q, four), builder.add(low_word, i64(1))))
+            for r in range(row_count):
+                pairs = [(codes, row_word(r, w)) for codes, w in unpacked]
+                total = _madd(builder, builder.load(target(r), align=4), *pairs, scales=lane_scales)
+                builder.store(total, target(r), align=4)
             return context.get_dummy_value()
         half_words, half_ints = ir.VectorType(i16, LANES), ir.VectorType(i32, LANES // 2)
         pair_sums, quads = _avx2_madds(builder)
