@@ -57,6 +57,7 @@ from pagedinfer.kernels.cpu.numba_support import (
     lanes_copy,
     lanes_fma,
     lanes_mul,
+    prefetch,
     prefetch_all,
     stack_array,
 )
@@ -71,6 +72,10 @@ AVX2 = bool(_FEATURES.get("avx2", False))
 # of 32-bit sums and of fp32 totals, which AVX2's 16 registers hold for 4 rows at most.
 ROWS = 4
 SILU_VALUES = 2048  # gate outputs one SiLU call of a gate/up GEMM takes, at least a group's
+# How far ahead of a pass's codes it asks for their cache lines (a line a word of 16
+# lanes): a decode step's single row reads the weight once from memory, faster than
+# the hardware prefetcher alone keeps up with.
+AHEAD_WORDS = 96
 # The grid kinds whose codes the integer products take, and the layout each becomes.
 _DOT_OF = {
     grid_gemm.AFFINE4: grid_gemm.DOT4,
@@ -210,6 +215,7 @@ def _pass(kind: str, rows: int, in_features: int) -> Callable[..., None]:
     six = kind == grid_gemm.DOT6_FINE
     five = kind == grid_gemm.DOT5
     code_words = run // 8 if nibbles else run // 4  # a run's words of a lane's codes
+    run_words = 3 if six else 5 if five else code_words  # a run's words in the layout
     runs_per_block = BLOCK // run
     zero = grid_gemm.SIX_BIT_ZERO
 
@@ -233,7 +239,12 @@ def _pass(kind: str, rows: int, in_features: int) -> Callable[..., None]:
         scale = stack_array((LANES,))
         for r in range(rows):
             lanes_copy(total[r], np.float32(0.0), LANES)
+        tile_words = codes.shape[1]
         for b in range(runs):
+            ahead = t * tile_words + b * run_words + AHEAD_WORDS
+            for w in range(run_words):
+                prefetch(codes, (ahead + w) * LANES)
+            prefetch(scales, (t * runs + b + AHEAD_WORDS // run_words) * 2 * LANES)
             grid_gemm._block_scales(dm, scales, (t * runs + b) * 2 * LANES, per_super)
             for r in range(rows):
                 # DOT6_FINE's codes are offset by `zero`: their products start at -zero
@@ -288,6 +299,7 @@ def _super_pass(kind: str, rows: int, in_features: int) -> Callable[..., None]:
     six = kind == grid_gemm.DOT6_FINE
     five = kind == grid_gemm.DOT5
     code_words = run // 8 if nibbles else run // 4
+    run_words = 3 if six else 5 if five else code_words
     zero = grid_gemm.SIX_BIT_ZERO
 
     @jit(nogil=True, error_model="numpy", inline="always")
@@ -320,6 +332,9 @@ def _super_pass(kind: str, rows: int, in_features: int) -> Callable[..., None]:
             least[:] = 0
             for j in range(runs):
                 b = sb * runs + j
+                ahead = t * codes.shape[1] + b * run_words + AHEAD_WORDS
+                for w in range(run_words):
+                    prefetch(codes, (ahead + w) * LANES)
                 if nibbles:
                     dot_nibble_rows(
                         sums, words, r0, codes, t, b * code_words, code_words, pairs[j], rows
