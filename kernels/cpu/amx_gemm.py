@@ -32,7 +32,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 
 from pagedinfer.kernels.cpu import grid_gemm
-from pagedinfer.kernels.cpu.int8_gemm import silu_chunk
+from pagedinfer.kernels.cpu.int8_gemm import silu_buffers, silu_chunk
 from pagedinfer.kernels.cpu.numba_support import (
     intrinsic,
     jit,
@@ -45,7 +45,6 @@ LANES = grid_gemm.LANES
 ROWS = 16  # rows of an A tile (and of the sums a tile holds)
 PAIRS = 16  # input pairs of a B tile: 32 inputs, 64 bytes a lane's row
 TILES = grid_gemm.TILE_GROUP  # weight tiles one pass multiplies at once, each its own sums
-SILU_VALUES = 2048  # gate outputs one SiLU call of a gate/up GEMM takes, at least
 _FEATURES = llvm.get_host_cpu_features()
 # Linux's arch_prctl: ask for an extended state's permission; AMX's tile data is state 18.
 _SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
@@ -193,9 +192,7 @@ def gemm_all_rows(in_features: int, silu: bool = False, gelu: bool = False) -> C
         grid_gemm.bf16_pairs(given, rows[:m])
         sums = np.empty((TILES, ROWS, LANES), dtype=np.float32)
         tiles = codes.shape[0]
-        batch = max(1, SILU_VALUES // (m * half * LANES)) if silu else 0
-        product = np.zeros((2, m if silu else 0, batch * half, LANES), dtype=np.float32)
-        silu_scratch = np.empty((4, m * batch * half * LANES if silu else 0), np.float32)
+        batch, product, silu_scratch = silu_buffers(m, half, silu)
         groups = tiles // TILES
         first, end = groups * worker // workers, groups * (worker + 1) // workers
         step = batch if silu else max(end - first, 1)

@@ -42,6 +42,7 @@ from numba.core import cgutils, types
 from pagedinfer.kernels.cpu import grid_gemm
 from pagedinfer.kernels.cpu.numba_support import (
     Job,
+    avx2_madds,
     barrier,
     int_stack_array,
     intrinsic,
@@ -710,18 +711,8 @@ def dot_bytes(typingctx: Any, sums: Any, word: Any, codes: Any) -> Any:
 def _madd_bytes_avx2(builder: Any, acc: Any, spread: Any, weights: Any) -> Any:
     """`dot_bytes` on 16 int32 lanes as two 256-bit halves of AVX2 code."""
     i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
-    half_bytes, half_words = ir.VectorType(i8, 2 * LANES), ir.VectorType(i16, LANES)
-    half_ints = ir.VectorType(i32, LANES // 2)
-    pairs = cgutils.get_or_insert_function(
-        builder.module,
-        ir.FunctionType(half_words, [half_bytes, half_bytes]),
-        "llvm.x86.avx2.pmadd.ub.sw",
-    )
-    quads = cgutils.get_or_insert_function(
-        builder.module,
-        ir.FunctionType(half_ints, [half_words, half_words]),
-        "llvm.x86.avx2.pmadd.wd",
-    )
+    half_words = ir.VectorType(i16, LANES)
+    pairs, quads = avx2_madds(builder)
     ones = ir.Constant(half_words, [1] * LANES)
     row = builder.bitcast(spread, ir.VectorType(i8, 4 * LANES))
     codes = builder.bitcast(weights, ir.VectorType(i8, 4 * LANES))

@@ -50,6 +50,7 @@ from pagedinfer.kernels.cpu.greedy_argmax import fma_ints
 from pagedinfer.kernels.cpu.layer_ops import silu_times
 from pagedinfer.kernels.cpu.numba_support import (
     FASTMATH,
+    avx2_madds,
     int_stack_array,
     intrinsic,
     jit,
@@ -412,9 +413,7 @@ def gemm_all_rows(
         tiles = codes.shape[0]
         # silu: the gate/up products of a chunk of tile groups go through one SiLU (a call
         # of fixed cost that a group of one row's 32 values would not repay).
-        batch = max(1, SILU_VALUES // (m * half * LANES)) if silu else 0
-        product = np.zeros((2, m if silu else 0, batch * half, LANES), dtype=np.float32)
-        silu_scratch = np.empty((4, m * batch * half * LANES if silu else 0), np.float32)
+        batch, product, silu_scratch = silu_buffers(m, half, silu)
         groups = tiles // group_tiles
         first, end = groups * worker // workers, groups * (worker + 1) // workers
         step = batch if silu else max(end - first, 1)  # without silu, one chunk
@@ -494,6 +493,17 @@ def gemm_all_rows(
                 )
 
     return gemm
+
+
+@jit(inline="always")
+def silu_buffers(m: int, half: int, silu: bool) -> tuple[int, np.ndarray, np.ndarray]:
+    """For a gate/up GEMM of m rows whose tile groups hold `half` gate tiles (silu): the
+    groups a SiLU call takes (enough for SILU_VALUES outputs), the products [2, m, batch *
+    half, 16] they collect and `silu_chunk`'s scratch; without silu, 0 and empty arrays."""
+    batch = max(1, SILU_VALUES // (m * half * LANES)) if silu else 0
+    product = np.zeros((2, m if silu else 0, batch * half, LANES), dtype=np.float32)
+    scratch = np.empty((4, m * batch * half * LANES if silu else 0), np.float32)
+    return batch, product, scratch
 
 
 @jit(fastmath=FASTMATH, nogil=True, error_model="numpy")
@@ -672,25 +682,6 @@ def _spread(context: Any, builder: Any, word: Any, word_type: Any) -> Any:
     return builder.bitcast(spread, ir.VectorType(ir.IntType(8), 4 * LANES))
 
 
-def _avx2_madds(builder: Any) -> tuple[Any, Any]:
-    """AVX2's vpmaddubsw (32 bytes by 32 bytes into 16 pair sums) and vpmaddwd (16 words
-    by 16 into 8 quad sums) on 256-bit halves, as functions of the module."""
-    i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
-    half_bytes, half_words = ir.VectorType(i8, 2 * LANES), ir.VectorType(i16, LANES)
-    half_ints = ir.VectorType(i32, LANES // 2)
-    pair_sums = cgutils.get_or_insert_function(
-        builder.module,
-        ir.FunctionType(half_words, [half_bytes, half_bytes]),
-        "llvm.x86.avx2.pmadd.ub.sw",
-    )
-    quads = cgutils.get_or_insert_function(
-        builder.module,
-        ir.FunctionType(half_ints, [half_words, half_words]),
-        "llvm.x86.avx2.pmadd.wd",
-    )
-    return pair_sums, quads
-
-
 def _madd(builder: Any, acc: Any, *pairs: tuple[Any, Any], scales: Any = None) -> Any:
     """acc (16 int32 lanes) + the sums of each lane's 4 products of unsigned bytes by signed
     bytes (64 each) of every pair (unsigned, signed), times the lane's scale where scales
@@ -727,7 +718,7 @@ def _madd(builder: Any, acc: Any, *pairs: tuple[Any, Any], scales: Any = None) -
         scale = builder.ashr(builder.shl(scales, sixteen), sixteen)
         return builder.add(acc, builder.mul(sum_of, scale))
     half_words = ir.VectorType(i16, LANES)
-    pair_sums, quads = _avx2_madds(builder)
+    pair_sums, quads = avx2_madds(builder)
     ones = ir.Constant(half_words, [1] * LANES)
     halves = []
     for h in range(2):
@@ -1148,7 +1139,7 @@ def dot_nibble_rows(
                 builder.store(total, target(r), align=4)
             return context.get_dummy_value()
         half_words, half_ints = ir.VectorType(i16, LANES), ir.VectorType(i32, LANES // 2)
-        pair_sums, quads = _avx2_madds(builder)
+        pair_sums, quads = avx2_madds(builder)
 
         def half(v: Any, h: int) -> Any:
             part = ir.Constant(

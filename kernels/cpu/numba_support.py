@@ -726,3 +726,22 @@ def barrier(sync: np.ndarray, workers: int, passed: int) -> int:
         else:
             yield_core()
     return passed + 1
+
+
+def avx2_madds(builder: Any) -> tuple[Any, Any]:
+    """AVX2's vpmaddubsw (32 bytes by 32 bytes into 16 pair sums) and vpmaddwd (16 words
+    by 16 into 8 quad sums) on 256-bit halves, as functions of the module."""
+    i8, i16, i32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+    half_bytes, half_words = ir.VectorType(i8, 32), ir.VectorType(i16, 16)
+    half_ints = ir.VectorType(i32, 8)
+    pair_sums = cgutils.get_or_insert_function(
+        builder.module,
+        ir.FunctionType(half_words, [half_bytes, half_bytes]),
+        "llvm.x86.avx2.pmadd.ub.sw",
+    )
+    quads = cgutils.get_or_insert_function(
+        builder.module,
+        ir.FunctionType(half_ints, [half_words, half_words]),
+        "llvm.x86.avx2.pmadd.wd",
+    )
+    return pair_sums, quads
